@@ -1,0 +1,13 @@
+"""Exit codes shared by the trainer, the launcher and preflight, so orchestrators can tell causes apart."""
+
+OK = 0
+#: Training or launching failed for a reason not listed below (see the log).
+FAILURE = 1
+#: The configuration, inventory or command line is invalid; nothing was started or changed.
+CONFIG_ERROR = 2
+#: The dataset cannot fill one effective batch (see the error for the four ways out).
+DATA_ERROR = 3
+#: A GPU health check tripped the circuit breaker; the node's hardware needs attention.
+GPU_FAULT = 75
+#: Preflight found at least one failing check.
+PREFLIGHT_FAILED = 4
