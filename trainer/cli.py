@@ -1,0 +1,53 @@
+"""`trainer` command line: one verb per module, imported only when that verb runs.
+
+`trainer plan` and `trainer preflight` run on a controller that has no torch; `trainer train` runs on
+the nodes. Importing a verb's module only when it is asked for keeps each of them light.
+Each verb module provides `configure_parser(parser)` and `run(args) -> int` (the exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from trainer import __version__, exitcodes
+
+#: verb -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("trainer.train", "run one training worker (alone, or under torchrun/deepspeed/accelerate)"),
+    "plan": ("trainer.launcher.plan", "print the topology derived from an inventory; touches nothing"),
+    "launch": ("trainer.launcher.launch", "start the trainer on every host of an inventory"),
+    "preflight": ("trainer.preflight.cli", "check a cluster before launching and name the fixes"),
+}
+
+
+def _usage() -> str:
+    lines = [f"usage: trainer {{{','.join(COMMANDS)}}} ...", "", "commands:"]
+    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["", "run `trainer COMMAND --help` for the options of one command"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return exitcodes.OK if argv else exitcodes.CONFIG_ERROR
+    if argv[0] == "--version":
+        print(f"trainer {__version__}")
+        return exitcodes.OK
+    verb, rest = argv[0], argv[1:]
+    if verb not in COMMANDS:
+        print(f"trainer: unknown command {verb!r}\n\n{_usage()}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    module_name, help_text = COMMANDS[verb]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"trainer {verb}", description=help_text)
+    module.configure_parser(parser)
+    args = parser.parse_args(rest)
+    return int(module.run(args) or exitcodes.OK)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Read an Ansible inventory the way ansible-playbook would, without touching any host.
+
+The launcher, `trainer plan` and preflight all start from the same picture of the cluster: the
+head (rank 0), the workers in a stable order, and each host's variables with Jinja templates
+rendered (the local inventory derives paths from `inventory_dir`). Ansible's own inventory and
+variable managers do the loading, so group_vars/host_vars precedence is exactly Ansible's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HEAD_GROUP = "head"
+WORKERS_GROUP = "workers"
+CLUSTER_GROUP = "cluster"
+
+
+class InventoryError(ValueError):
+    """The inventory cannot describe a cluster; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """One node of the cluster as the inventory describes it."""
+
+    name: str
+    vars: dict[str, Any] = field(repr=False)
+
+    @property
+    def address(self) -> str:
+        """The cluster address: `cluster_ip`, else `ansible_host`, else the inventory name."""
+        return str(self.vars.get("cluster_ip") or self.vars.get("ansible_host") or self.name)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.vars.get(key, default)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The head and the workers, in inventory order (the order ranks are given in)."""
+
+    inventory: Path
+    head: Host
+    workers: tuple[Host, ...]
+
+    @property
+    def hosts(self) -> tuple[Host, ...]:
+        return (self.head, *self.workers)
+
+    @property
+    def is_single_host(self) -> bool:
+        return not self.workers
+
+
+def _to_plain(value: Any) -> Any:
+    """Strip Ansible's tagged/lazy containers down to plain Python values."""
+    if isinstance(value, dict):
+        return {str(k): _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    return value
+
+
+def load_host_vars(inventory: str | os.PathLike[str]) -> tuple[dict[str, list[str]], dict[str, dict]]:
+    """Return (groups -> host names, host name -> rendered variables) for an inventory path."""
+    inventory = Path(inventory)
+    if not inventory.exists():
+        raise InventoryError(
+            f"inventory {inventory} does not exist; pass -i with a directory or file such as "
+            "inventory/local or inventory/example"
+        )
+    # Imported here: ansible is slow to import and only needed when an inventory is read.
+    from ansible.inventory.manager import InventoryManager
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.template import Templar
+    from ansible.vars.manager import VariableManager
+
+    loader = DataLoader()
+    manager = InventoryManager(loader=loader, sources=[str(inventory)])
+    variables = VariableManager(loader=loader, inventory=manager)
+    groups = {name: [h.name for h in group.get_hosts()] for name, group in manager.groups.items()}
+    rendered: dict[str, dict] = {}
+    for host in manager.get_hosts():
+        host_vars = variables.get_vars(host=host, include_hostvars=False)
+        templar = Templar(loader=loader, variables=host_vars)
+        wanted = {k: v for k, v in host_vars.items() if not k.startswith("ansible_facts")}
+        rendered[host.name] = _to_plain(templar.template(wanted))
+    return groups, rendered
+
+
+def load_cluster(inventory: str | os.PathLike[str]) -> Cluster:
+    """Load the inventory and check the one rule everything else depends on: exactly one head."""
+    groups, host_vars = load_host_vars(inventory)
+    heads = groups.get(HEAD_GROUP, [])
+    if len(heads) != 1:
+        found = ", ".join(heads) if heads else "none"
+        raise InventoryError(
+            f"inventory {inventory}: group '{HEAD_GROUP}' must hold exactly one host "
+            f"(rank 0, NFS and time server); found {len(heads)}: {found}. "
+            f"Put one host under '{HEAD_GROUP}' and the others under '{WORKERS_GROUP}'."
+        )
+    head_name = heads[0]
+    workers = [name for name in groups.get(WORKERS_GROUP, []) if name != head_name]
+    if head_name in groups.get(WORKERS_GROUP, []):
+        raise InventoryError(
+            f"inventory {inventory}: host {head_name} is in both '{HEAD_GROUP}' and "
+            f"'{WORKERS_GROUP}'; a host is either the head or a worker."
+        )
+    return Cluster(
+        inventory=Path(inventory),
+        head=Host(head_name, host_vars[head_name]),
+        workers=tuple(Host(name, host_vars[name]) for name in workers),
+    )
