@@ -83,9 +83,12 @@ def load_host_vars(inventory: str | os.PathLike[str]) -> tuple[dict[str, list[st
     # Imported here: ansible is slow to import and only needed when an inventory is read.
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
+    from ansible.plugins.loader import init_plugin_loader
     from ansible.template import Templar
     from ansible.vars.manager import VariableManager
 
+    # Lookups and filters in inventory variables (env, dirname) need the plugin loader.
+    init_plugin_loader()
     loader = DataLoader()
     manager = InventoryManager(loader=loader, sources=[str(inventory)])
     variables = VariableManager(loader=loader, inventory=manager)
