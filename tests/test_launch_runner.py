@@ -1,0 +1,108 @@
+"""trainer.runner: real ansible-playbook runs against inventory/local (this machine)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.runner import run_playbook
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_INVENTORY = REPO / "inventory" / "local"
+
+
+def write_playbook(directory: Path, tasks: str) -> Path:
+    playbook = directory / "play.yml"
+    playbook.write_text("---\n- name: Test play\n  hosts: cluster\n  gather_facts: false\n  tasks:\n" + tasks)
+    return playbook
+
+
+def test_module_results_and_events_per_host(tmp_path):
+    playbook = write_playbook(
+        tmp_path,
+        "    - name: Say hello\n"
+        "      ansible.builtin.command: echo hello {{ greeting }}\n"
+        "      changed_when: false\n",
+    )
+    events = []
+    result = run_playbook(
+        playbook, LOCAL_INVENTORY, extravars={"greeting": "cluster"}, on_event=events.append
+    )
+    assert result.succeeded, result.output
+    assert result.status == "successful" and result.rc == 0
+    hello = result.task_result("localhost", "Say hello")
+    assert hello is not None and hello.status == "ok"
+    assert hello.result["stdout"] == "hello cluster"
+    assert [r.task for r in result.ok["localhost"]] == ["Say hello"]
+    assert result.first_failure is None
+    uuids = [e["uuid"] for e in events if "uuid" in e]
+    assert len(uuids) == len(set(uuids)), "events are handed on once each"
+    assert any(e.get("event") == "runner_on_ok" for e in events)
+
+
+def test_failure_names_host_task_and_message(tmp_path):
+    playbook = write_playbook(
+        tmp_path,
+        "    - name: Break on purpose\n"
+        "      ansible.builtin.command: sh -c 'echo disk full >&2; exit 3'\n"
+        "      changed_when: false\n",
+    )
+    result = run_playbook(playbook, LOCAL_INVENTORY)
+    assert not result.succeeded
+    assert result.status == "failed" and result.rc != 0
+    failure = result.first_failure
+    assert failure is not None
+    assert (failure.host, failure.task) == ("localhost", "Break on purpose")
+    assert "disk full" in failure.message
+    assert list(result.failed) == ["localhost"]
+
+
+def test_environment_is_filtered_and_temp_dir_removed(tmp_path, monkeypatch):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setenv("CLUSTERTRAIN_TEST_SECRET", "do-not-leak")
+    monkeypatch.setenv("ANSIBLE_NOCOLOR", "1")
+    playbook = write_playbook(
+        tmp_path,
+        "    - name: Show environment\n      ansible.builtin.command: env\n      changed_when: false\n",
+    )
+    result = run_playbook(playbook, LOCAL_INVENTORY)
+    assert result.succeeded, result.output
+    env = dict(
+        line.split("=", 1)
+        for line in result.task_result("localhost", "Show environment").result["stdout_lines"]
+    )
+    assert "CLUSTERTRAIN_TEST_SECRET" not in env
+    assert env["ANSIBLE_NOCOLOR"] == "1"
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert env["ANSIBLE_HOST_KEY_CHECKING"] == "True"
+    assert list(scratch.iterdir()) == [], "the private data dir (with its command/env file) is removed"
+
+
+def test_cancel_stops_a_running_playbook(tmp_path):
+    playbook = write_playbook(
+        tmp_path,
+        "    - name: Sleep long\n      ansible.builtin.command: sleep 60\n      changed_when: false\n",
+    )
+    cancel = threading.Event()
+    started = time.monotonic()
+
+    def cancel_on_task_start(event):
+        if event.get("event") == "playbook_on_task_start":
+            threading.Timer(1.0, cancel.set).start()
+
+    result = run_playbook(playbook, LOCAL_INVENTORY, on_event=cancel_on_task_start, cancel=cancel)
+    assert result.status == "canceled"
+    assert time.monotonic() - started < 20
+
+
+def test_missing_playbook_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run_playbook(tmp_path / "nope.yml", LOCAL_INVENTORY)
