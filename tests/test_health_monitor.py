@@ -1,0 +1,180 @@
+"""The monitor -> breaker -> webhook -> exit path, driven by the documented fault file (no trainer)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from health_webhook_server import WebhookServer
+
+from trainer import exitcodes
+from trainer.health import (
+    CircuitBreaker,
+    GpuFaultError,
+    HealthConfig,
+    fault_line,
+    is_cuda_error,
+    start_monitor,
+)
+from trainer.health.readings import FaultFileError, FileFaultSource, GpuReading
+
+
+def fault_file(tmp_path, *lines: dict) -> str:
+    path = tmp_path / "faults.jsonl"
+    path.write_text("# injected readings\n" + "".join(json.dumps(line) + "\n" for line in lines))
+    return f"file:{path}"
+
+
+def test_without_a_gpu_the_monitor_is_off_says_so_once_and_starts_no_thread(caplog):
+    caplog.set_level(logging.INFO, logger="trainer.health")
+    threads_before = threading.active_count()
+    # cuda_device=0 asks NVML for a GPU; this machine has no NVIDIA driver.
+    monitor = start_monitor(HealthConfig(), rank=0, local_rank=0, cuda_device=0, host="h")
+    cpu_monitor = start_monitor(
+        HealthConfig(), rank=0, local_rank=0, cuda_device=None, host="h", announce=False
+    )
+    assert not monitor.active and not cpu_monitor.active
+    assert threading.active_count() == threads_before
+    assert len(caplog.records) == 1 and "GPU health monitor off: NVML unavailable" in caplog.text
+    for step in range(1000):
+        monitor.check(step)  # a no-op: never raises
+
+
+def test_injected_ecc_fault_trips_at_its_step_sends_the_webhook_and_exits_75(tmp_path):
+    source = fault_file(tmp_path, {"step": 5, "gpu": 0, "metrics": {"ecc_uncorrectable": 3}})
+    with WebhookServer() as server:
+        config = HealthConfig(fault_source=source, poll_interval_s=0.02, webhook_url=server.url())
+        monitor = start_monitor(config, rank=0, local_rank=0, cuda_device=None, host="nodeA")
+        assert monitor.active
+        stopped_at = None
+        for step in range(1, 200):
+            try:
+                monitor.check(step)
+            except GpuFaultError as fault:
+                stopped_at = step
+                err = io.StringIO()
+                code = monitor.finish(fault.fault, stream=err)
+                break
+            time.sleep(0.01)
+        [request] = server.wait_for(1, 5)
+    assert stopped_at is not None and 5 < stopped_at < 30
+    assert code == exitcodes.GPU_FAULT == 75
+    assert (
+        err.getvalue()
+        == "GPU_FAULT host=nodeA rank=0 gpu=0 uuid=GPU-test-nodeA-0 metric=ecc_uncorrectable value=3\n"
+    )
+    payload = request["json"]
+    assert payload["event"] == "gpu.fault" and payload["metric"] == "ecc_uncorrectable"
+    assert payload["value"] == 3 and payload["threshold"] == 0 and payload["step"] >= 5
+    assert payload["metrics"]["temperature_c"] == 40
+
+
+def test_faults_for_another_gpu_host_or_rank_do_not_trip(tmp_path):
+    source = fault_file(
+        tmp_path,
+        {"step": 0, "gpu": 1, "metrics": {"ecc_uncorrectable": 3}},
+        {"step": 0, "gpu": 0, "host": "other", "metrics": {"ecc_uncorrectable": 3}},
+        {"step": 0, "gpu": 0, "rank": 4, "metrics": {"ecc_uncorrectable": 3}},
+    )
+    config = HealthConfig(fault_source=source, poll_interval_s=0.01)
+    monitor = start_monitor(config, rank=0, local_rank=0, cuda_device=None, host="nodeA")
+    time.sleep(0.2)
+    monitor.check(10)
+    assert monitor.fault is None
+    monitor.stop()
+
+
+def test_malformed_fault_file_is_named_with_its_line(tmp_path):
+    path = tmp_path / "faults.jsonl"
+    path.write_text('{"step": 1, "gpu": 0, "metrics": {}}\n{"gpu": 0}\n')
+    with pytest.raises(FaultFileError, match=r"faults.jsonl:2: .*integer \"step\""):
+        FileFaultSource(str(path), gpu_index=0, host="h", rank=0, current_step=lambda: 0)
+
+
+def reading(**metrics) -> GpuReading:
+    base = {
+        "ecc_uncorrectable": 0,
+        "temperature_c": 50,
+        "temperature_slowdown_c": 87,
+        "temperature_shutdown_c": 92,
+    }
+    return GpuReading(0, "GPU-x", "test", {**base, **metrics})
+
+
+def test_temperature_trips_at_the_margin_below_the_gpus_own_threshold():
+    breaker = CircuitBreaker(HealthConfig(temperature_margin_c=5), host="h", rank=0, local_rank=0)
+    assert breaker.evaluate(reading(temperature_c=86), step=1) is None
+    fault = breaker.evaluate(reading(temperature_c=87), step=2)
+    assert (fault.metric, fault.value, fault.threshold) == ("temperature_c", 87, 87)
+    slowdown = CircuitBreaker(
+        HealthConfig(temperature_limit="slowdown", temperature_margin_c=0), host="h", rank=0, local_rank=0
+    )
+    assert slowdown.evaluate(reading(temperature_c=86), step=1) is None
+    assert slowdown.evaluate(reading(temperature_c=87), step=1).threshold == 87
+
+
+def test_throttle_must_persist_for_the_configured_readings_and_the_circuit_stays_open():
+    breaker = CircuitBreaker(HealthConfig(throttle_polls=3), host="h", rank=0, local_rank=0)
+    hot = reading(throttle_reasons=["hw_thermal_slowdown", "sw_power_cap"])
+    assert breaker.evaluate(hot, step=1) is None
+    assert breaker.evaluate(reading(throttle_reasons=[]), step=2) is None  # the streak resets
+    assert breaker.evaluate(hot, step=3) is None and breaker.evaluate(hot, step=4) is None
+    fault = breaker.evaluate(hot, step=5)
+    assert (fault.metric, fault.value) == ("throttle_reasons", "hw_thermal_slowdown")
+    assert breaker.evaluate(reading(), step=6) is fault  # never closes again
+
+
+def test_cuda_errors_are_faults_but_out_of_memory_is_not():
+    assert is_cuda_error(RuntimeError("CUDA error: uncorrectable ECC error encountered"))
+    assert is_cuda_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert is_cuda_error(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm`"))
+    assert not is_cuda_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_cuda_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_cuda_error(ValueError("loss is nan"))
+
+
+def test_a_cuda_error_from_the_step_sends_the_event_and_makes_one_line(tmp_path):
+    source = fault_file(tmp_path)  # a healthy GPU: the breaker is opened by the CUDA error alone
+    with WebhookServer() as server:
+        config = HealthConfig(fault_source=source, poll_interval_s=0.05, webhook_url=server.url())
+        monitor = start_monitor(config, rank=1, local_rank=1, cuda_device=None, host="nodeB")
+        error = monitor.cuda_error(RuntimeError("CUDA error: unspecified launch failure\nmore text"), step=7)
+        err = io.StringIO()
+        assert monitor.finish(error.fault, stream=err) == 75
+        assert monitor.finish(error.fault, stream=err) == 75  # reporting twice still prints one line
+        [request] = server.wait_for(1, 5)
+    assert err.getvalue() == (
+        "GPU_FAULT host=nodeB rank=1 gpu=1 uuid=GPU-test-nodeB-1 metric=cuda_error "
+        "value=CUDA_error:_unspecified_launch_failure\n"
+    )
+    assert request["json"]["value"] == "CUDA error: unspecified launch failure"
+    assert fault_line(error.fault).count("\n") == 0
+
+
+def test_a_loop_stuck_after_a_fault_is_ended_by_the_monitor_with_75(tmp_path):
+    # The main thread never calls check() again (stuck, as in a collective on a dead GPU).
+    source = fault_file(tmp_path, {"step": 0, "gpu": 0, "metrics": {"ecc_uncorrectable": 1}})
+    script = textwrap.dedent(
+        f"""
+        import time
+        from trainer.health import HealthConfig, start_monitor
+        config = HealthConfig(fault_source={source!r}, poll_interval_s=0.05, fault_exit_grace_s=0.5)
+        start_monitor(config, rank=0, local_rank=0, cuda_device=None, host="stuck")
+        time.sleep(60)
+        """
+    )
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 75
+    assert time.monotonic() - started < 15
+    lines = [line for line in result.stderr.splitlines() if line.startswith("GPU_FAULT ")]
+    assert lines == [
+        "GPU_FAULT host=stuck rank=0 gpu=0 uuid=GPU-test-stuck-0 metric=ecc_uncorrectable value=1"
+    ]

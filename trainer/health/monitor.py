@@ -1,0 +1,253 @@
+"""The health monitor: a background thread per rank that reads this rank's GPU and opens the breaker.
+
+The training loop calls `monitor.check(step)` once per step (two attribute reads while healthy) and
+hands CUDA errors from the step to `monitor.cuda_error(...)`. On a fault:
+
+1. the circuit opens and the `gpu.fault` webhook is queued (from the monitor thread, so it goes out
+   even when the loop is stuck in a collective on the broken GPU);
+2. the loop raises `GpuFaultError` at its next check; the trainer calls `monitor.finish(fault)`, which
+   prints the one `GPU_FAULT host=... rank=... gpu=... uuid=... metric=... value=...` line to stderr,
+   gives the webhook a bounded time, and returns exit code 75 (`exitcodes.GPU_FAULT`);
+3. if the loop has not stopped within `health.fault_exit_grace_s`, the monitor thread does step 2
+   itself and ends the process with code 75.
+
+Without a GPU (and without a test fault source) nothing runs: no thread, `check` is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+from typing import Any, TextIO
+
+from trainer import exitcodes
+from trainer.health.breaker import CircuitBreaker, Fault
+from trainer.health.config import HealthConfig
+from trainer.health.readings import FileFaultSource, GpuReading, GpuSource, NvmlSource, SourceUnavailable
+from trainer.health.webhook import WebhookSender
+
+log = logging.getLogger(__name__)
+
+# Texts of errors the CUDA runtime, cuBLAS and cuDNN raise through torch. Out-of-memory is left out on
+# purpose: it is a configuration problem (batch too large), not a broken GPU.
+_CUDA_ERROR_PATTERN = re.compile(
+    r"CUDA error|CUDA driver error|CUBLAS_STATUS_|CUDNN_STATUS_|cuDNN error|illegal memory access"
+    r"|uncorrectable ECC|unspecified launch failure|device-side assert",
+)
+
+
+class GpuFaultError(RuntimeError):
+    """Raised in the training loop once the breaker is open; carries the fault."""
+
+    def __init__(self, fault: Fault) -> None:
+        super().__init__(fault_line(fault))
+        self.fault = fault
+
+
+def fault_line(fault: Fault) -> str:
+    """The one stderr line the launcher parses to name the failing host and GPU."""
+    value = re.sub(r"\s+", "_", str(fault.value).strip())[:120] or "-"
+    return (
+        f"GPU_FAULT host={fault.host} rank={fault.rank} gpu={fault.gpu} uuid={fault.uuid} "
+        f"metric={fault.metric} value={value}"
+    )
+
+
+def is_cuda_error(error: BaseException) -> bool:
+    """True for an error raised by the CUDA runtime or its libraries (not for out-of-memory)."""
+    name = type(error).__name__
+    if name == "OutOfMemoryError" or "out of memory" in str(error):
+        return False
+    return name == "AcceleratorError" or bool(_CUDA_ERROR_PATTERN.search(str(error)))
+
+
+class HealthMonitor:
+    """Watches one GPU. Build with `start_monitor`; `active` is False when there is nothing to watch."""
+
+    def __init__(
+        self,
+        config: HealthConfig,
+        *,
+        host: str,
+        rank: int,
+        local_rank: int,
+        source: GpuSource | None,
+        sender: WebhookSender | None,
+    ) -> None:
+        self.config = config
+        self.host, self.rank, self.local_rank = host, rank, local_rank
+        self.step = 0
+        self._source = source
+        self._sender = sender
+        self._breaker = CircuitBreaker(config, host=host, rank=rank, local_rank=local_rank)
+        self._last_reading: GpuReading | None = None
+        self._stop = threading.Event()
+        self._finished = threading.Event()
+        self._report_lock = threading.Lock()
+        self._reported = False
+        self._notified = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._source is not None
+
+    @property
+    def fault(self) -> Fault | None:
+        return self._breaker.fault
+
+    def start(self) -> HealthMonitor:
+        if self.active and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpu-health", daemon=True)
+            self._thread.start()
+        return self
+
+    def check(self, step: int) -> None:
+        """Per training step: note the step; raise GpuFaultError if the circuit is open."""
+        self.step = step
+        fault = self._breaker.fault
+        if fault is not None:
+            raise GpuFaultError(fault)
+
+    def cuda_error(self, error: BaseException, *, step: int) -> GpuFaultError:
+        """Turn a CUDA error from the training step into a fault (opens the circuit, sends the event)."""
+        fault = self._breaker.trip(self._breaker.cuda_error_fault(self._last_reading, error, step=step))
+        self._notify(fault)
+        return GpuFaultError(fault)
+
+    def finish(self, fault: Fault, *, stream: TextIO | None = None) -> int:
+        """Report the fault (one stderr line), give the webhook its bounded time, return exit code 75."""
+        self._finished.set()
+        self._report(fault, stream or sys.stderr)
+        self.stop()
+        return exitcodes.GPU_FAULT
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+
+    # ---------------------------------------------------------------------------------- monitor thread
+
+    def _run(self) -> None:
+        # The first reading is taken at once: a GPU that is already faulty never starts training.
+        while not self._stop.is_set():
+            fault = self._poll()
+            if fault is not None:
+                self._notify(fault)
+                self._wait_for_loop_then_exit(fault)
+                return
+            self._stop.wait(self.config.poll_interval_s)
+
+    def _poll(self) -> Fault | None:
+        source = self._source
+        if source is None:
+            return None
+        try:
+            reading = source.read()
+        except Exception as exc:
+            if type(exc).__name__ == "NVMLError_GPUIsLost":
+                reading = self._last_reading or GpuReading(self.local_rank, "unknown", "unknown")
+                return self._breaker.trip(self._breaker.cuda_error_fault(reading, exc, step=self.step))
+            log.warning("GPU health reading failed (will retry): %s", exc)
+            return None
+        self._last_reading = reading
+        return self._breaker.evaluate(reading, step=self.step)
+
+    def _notify(self, fault: Fault) -> None:
+        with self._report_lock:
+            if self._notified:
+                return
+            self._notified = True
+        log.error("GPU fault: %s", fault_line(fault))
+        if self._sender is not None:
+            self._sender.send_fault(fault)
+
+    def _wait_for_loop_then_exit(self, fault: Fault) -> None:
+        if self._finished.wait(self.config.fault_exit_grace_s) or self._stop.is_set():
+            return
+        log.error(
+            "training loop did not stop within %.0f s of the GPU fault; exiting",
+            self.config.fault_exit_grace_s,
+        )
+        self._report(fault, sys.stderr)
+        os._exit(exitcodes.GPU_FAULT)
+
+    def _report(self, fault: Fault, stream: TextIO) -> None:
+        with self._report_lock:
+            if self._reported:
+                return
+            self._reported = True
+        print(fault_line(fault), file=stream, flush=True)
+        if self._sender is not None:
+            budget = self.config.delivery_budget_s()
+            if not self._sender.flush(budget):
+                log.warning("gpu.fault webhook still undelivered after %.1f s; exiting anyway", budget)
+
+
+def start_monitor(
+    config: HealthConfig,
+    *,
+    rank: int,
+    local_rank: int,
+    cuda_device: int | None,
+    host: str | None = None,
+    announce: bool = True,
+) -> HealthMonitor:
+    """Build and start the monitor for this rank. `cuda_device` is the CUDA index it trains on, or None
+    on a CPU rank. `announce` (rank 0) logs one line saying whether the monitor is on or off."""
+    host = host or socket.gethostname()
+    monitor = HealthMonitor(config, host=host, rank=rank, local_rank=local_rank, source=None, sender=None)
+    source, why_off = _open_source(config, monitor, cuda_device=cuda_device)
+    if source is None:
+        if announce:
+            log.info("GPU health monitor off: %s", why_off)
+        return monitor
+    sender = None
+    if config.webhook_url:
+        sender = WebhookSender(
+            config.webhook_url,
+            kind=config.webhook_type,
+            timeout_s=config.webhook_timeout_s,
+            retries=config.webhook_retries,
+        )
+    monitor._source, monitor._sender = source, sender
+    if announce:
+        log.info(
+            "GPU health monitor on: %s, GPU %s (%s), reading every %gs, webhook %s",
+            config.fault_source.split(":", 1)[0],
+            getattr(source, "index", "?"),
+            getattr(source, "name", "?"),
+            config.poll_interval_s,
+            config.webhook_type if sender else "none",
+        )
+    return monitor.start()
+
+
+def _open_source(config: HealthConfig, monitor: HealthMonitor, *, cuda_device: int | None) -> tuple[Any, str]:
+    if not config.enabled:
+        return None, "health.enabled is false"
+    if config.fault_source.startswith("file:"):
+        # The test hook runs on CPU ranks too: each rank pretends to own GPU index LOCAL_RANK.
+        gpu_index = monitor.local_rank if cuda_device is None else cuda_device
+        source = FileFaultSource(
+            config.fault_source[len("file:") :],
+            gpu_index=gpu_index,
+            host=monitor.host,
+            rank=monitor.rank,
+            current_step=lambda: monitor.step,
+        )
+        return source, ""
+    if cuda_device is None:
+        return None, "this rank trains on the CPU (no NVIDIA GPU to watch)"
+    try:
+        return NvmlSource(cuda_device), ""
+    except SourceUnavailable as exc:
+        return None, str(exc)
