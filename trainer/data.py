@@ -1,0 +1,200 @@
+"""Training data: text in, fixed-length character samples out, sharded across ranks deterministically.
+
+A sample is `block_size + 1` consecutive characters (inputs and the next-character targets); the text
+is cut into non-overlapping samples. Every rank reads the same text and builds the same vocabulary;
+DistributedSampler with the same seed gives each rank its own disjoint share of every epoch, so the
+batch of any step is a pure function of (seed, step, rank, world size). That is what makes resume
+exact: the data position is just the number of micro-batches consumed.
+
+torch is imported inside functions: this module is loaded with the configuration on the controller.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainer.configerror import ConfigError, require
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = ""
+    """Training text: a plain text file, or JSON lines with a `text` field per line ('' = the bundled
+    English text of the standard library's `pydoc_data.topics`)."""
+    block_size: int = 64
+    """Characters per sample, which is also the model's context length."""
+    repeats: int = 1
+    """How many times the dataset is repeated per epoch (raise it for a dataset smaller than one batch)."""
+    allow_dataset_oversubscription: bool = False
+    """If the dataset cannot fill one effective batch, raise `repeats` to the minimum that can (logged)
+    instead of stopping with an error."""
+
+    def __post_init__(self) -> None:
+        require(self.block_size >= 2, "block_size", f"must be at least 2 (got {self.block_size})")
+        require(self.repeats >= 1, "repeats", f"must be at least 1 (got {self.repeats})")
+
+
+class DataError(Exception):
+    """The data cannot be used as configured (exit code DATA_ERROR); the message says how to fix it."""
+
+
+def read_text(path: str) -> str:
+    """The training text from data.path, or the bundled text when it is empty."""
+    if not path:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[name] for name in sorted(topics))
+    source = Path(path).expanduser()
+    if not source.is_file():
+        raise ConfigError("data.path", f"no such file: {source} (use '' for the bundled text)")
+    try:
+        raw = source.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError("data.path", f"cannot read {source} as UTF-8 text: {err}") from None
+    if source.suffix in (".jsonl", ".ndjson") or raw.lstrip().startswith("{"):
+        return _read_json_lines(source, raw)
+    return raw
+
+
+def _read_json_lines(source: Path, raw: str) -> str:
+    texts = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{source}:{number}: not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DataError(f"{source}:{number}: each JSON line needs a string field `text`")
+        texts.append(record["text"])
+    return "\n\n".join(texts)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The encoded text and its vocabulary (sorted characters, identical on every rank)."""
+
+    vocab: str
+    ids: torch.Tensor
+    block_size: int
+
+    @property
+    def num_samples(self) -> int:
+        return (len(self.ids) - 1) // self.block_size
+
+
+def load_corpus(config: DataConfig) -> Corpus:
+    import torch
+
+    text = read_text(config.path)
+    vocab = "".join(sorted(set(text)))
+    lookup = {ch: i for i, ch in enumerate(vocab)}
+    ids = torch.tensor([lookup[ch] for ch in text], dtype=torch.long)
+    corpus = Corpus(vocab=vocab, ids=ids, block_size=config.block_size)
+    if corpus.num_samples < 1:
+        raise DataError(
+            f"data.path: the text has {len(text)} characters, fewer than one sample of "
+            f"data.block_size + 1 = {config.block_size + 1}; use a longer text or a smaller data.block_size"
+        )
+    return corpus
+
+
+def required_repeats(
+    num_samples: int, config: DataConfig, micro_batch_size: int, world_size: int, accumulation: int
+) -> tuple[int, str | None]:
+    """The repeats to train with and a log line if oversubscription raised them; DataError if too small.
+
+    One optimizer step consumes micro_batch_size × world_size × accumulation samples; a dataset
+    (times its repeats) smaller than that cannot fill a single step.
+    """
+    effective = micro_batch_size * world_size * accumulation
+    available = num_samples * config.repeats
+    if available >= effective:
+        return config.repeats, None
+    minimum = math.ceil(effective / num_samples)
+    arithmetic = (
+        f"effective batch = train.micro_batch_size × world size × train.gradient_accumulation_steps"
+        f" = {micro_batch_size} × {world_size} × {accumulation} = {effective} samples, but the dataset has"
+        f" {num_samples} samples × data.repeats {config.repeats} = {available}"
+    )
+    if config.allow_dataset_oversubscription:
+        return minimum, f"dataset oversubscribed: {arithmetic}; training with data.repeats = {minimum}"
+    raise DataError(
+        f"the dataset is smaller than one effective batch: {arithmetic}.\nWays out:\n"
+        f"  1. a smaller batch: --set train.micro_batch_size=N or train.gradient_accumulation_steps=N\n"
+        f"  2. fewer processes (world size {world_size}: fewer nodes or processes per node)\n"
+        f"  3. more repeats: --set data.repeats={minimum}\n"
+        f"  4. let the trainer compute the repeats: --set data.allow_dataset_oversubscription=true"
+    )
+
+
+class ShardedBatches:
+    """Micro-batches for one rank: `batch(position)` is the position-th micro-batch this rank trains on.
+
+    Each epoch is a DistributedSampler permutation (seed, epoch) of all samples × repeats, split evenly
+    across ranks (the remainder dropped so every rank runs the same number of steps).
+    """
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        *,
+        repeats: int,
+        micro_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        device: torch.device | str = "cpu",
+    ):
+        import torch
+
+        self.corpus = corpus
+        self.length = corpus.num_samples * repeats
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.device = torch.device(device)
+        self.batches_per_epoch = (self.length // world_size) // micro_batch_size
+        self._epoch = -1
+        self._indices: list[int] = []
+        self._window = torch.arange(corpus.block_size + 1)
+
+    def _indices_for(self, epoch: int) -> list[int]:
+        from torch.utils.data import DistributedSampler
+
+        if epoch != self._epoch:
+            sampler = DistributedSampler(
+                range(self.length),
+                num_replicas=self.world_size,
+                rank=self.rank,
+                shuffle=True,
+                seed=self.seed,
+                drop_last=True,
+            )
+            sampler.set_epoch(epoch)
+            self._epoch, self._indices = epoch, list(sampler)
+        return self._indices
+
+    def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        epoch, within = divmod(position, self.batches_per_epoch)
+        chosen = self._indices_for(epoch)[
+            within * self.micro_batch_size : (within + 1) * self.micro_batch_size
+        ]
+        starts = (torch.tensor(chosen) % self.corpus.num_samples) * self.corpus.block_size
+        chunk = self.corpus.ids[starts[:, None] + self._window]
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        if self.device.type != "cpu":
+            x, y = (
+                x.pin_memory().to(self.device, non_blocking=True),
+                y.pin_memory().to(self.device, non_blocking=True),
+            )
+        return x, y

@@ -1,0 +1,246 @@
+"""The training loop: resume, then per step train → per-step checks → log → save; then the summary.
+
+`TrainConfig` (the `train` section) lives here. Per-step checks (e.g. a GPU health circuit breaker)
+are `StepHook`s: each gets the step's result and returns None to continue or an exit code to stop;
+`Trainer._after_step` is the one place they run, and all ranks stop together with the same code.
+
+torch is imported inside functions: this module's config is loaded on the controller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from trainer import exitcodes
+from trainer.configerror import require
+
+if TYPE_CHECKING:
+    from trainer.checkpoint import CheckpointWriter
+    from trainer.config import TrainerConfig
+    from trainer.data import ShardedBatches
+    from trainer.distributed import Topology
+    from trainer.engines import Batch, Engine
+    from trainer.metrics import Reporter
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    max_steps: int = 80
+    """Optimizer steps to train for (a resumed run continues up to the same number)."""
+    micro_batch_size: int = 16
+    """Samples per process per forward/backward pass."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; effective batch = micro_batch_size × world size × this."""
+    seed: int = 1337
+    """Seed for model init (same on all ranks), data order (same) and dropout (offset by rank)."""
+    learning_rate: float = 3e-3
+    """Peak AdamW learning rate, reached after warmup_steps."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from near zero to learning_rate."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices and embeddings (not on biases and norms)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    log_every: int = 10
+    """Print a step line and write a metrics.jsonl record every this many steps (and at the last)."""
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"
+    """bf16 autocast: auto = on GPUs that support bf16, off on the CPU; bf16 = always; no = never."""
+    compile: bool = False
+    """torch.compile the model (slower start, faster steps on GPUs)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps", "log_every"):
+            value = getattr(self, name)
+            require(value >= 1, name, f"must be at least 1 (got {value})")
+        require(self.seed >= 0, "seed", f"must be 0 or more (got {self.seed})")
+        require(self.learning_rate > 0, "learning_rate", f"must be greater than 0 (got {self.learning_rate})")
+        require(
+            0 <= self.min_lr <= self.learning_rate,
+            "min_lr",
+            f"must be between 0 and train.learning_rate={self.learning_rate} (got {self.min_lr})",
+        )
+        require(
+            0 <= self.warmup_steps < self.max_steps,
+            "warmup_steps",
+            f"must be 0 or more and less than train.max_steps={self.max_steps} (got {self.warmup_steps})",
+        )
+        require(self.weight_decay >= 0, "weight_decay", f"must be 0 or more (got {self.weight_decay})")
+        require(self.grad_clip >= 0, "grad_clip", f"must be 0 (off) or more (got {self.grad_clip})")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a per-step check sees after each optimizer step."""
+
+    step: int
+    max_steps: int
+    loss: float
+    """This rank's mean loss over the step's micro-batches."""
+    lr: float
+    step_time_s: float
+    rank: int
+
+
+#: A per-step check: None to continue, or an exit code (e.g. exitcodes.GPU_FAULT) to stop the run.
+StepHook = Callable[[StepResult], "int | None"]
+
+
+@dataclass
+class Trainer:
+    config: TrainerConfig
+    topology: Topology
+    engine: Engine
+    batches: ShardedBatches
+    checkpoints: CheckpointWriter
+    reporter: Reporter
+    resume_from: Path | None = None
+    hooks: Sequence[StepHook] = field(default_factory=tuple)
+    run_facts: dict[str, Any] = field(default_factory=dict)
+
+    def train(self) -> int:
+        train = self.config.train
+        start = self._resume()
+        self.reporter.start(first_step=start + 1, resumed_step=start)
+        tokens_per_step = (
+            train.micro_batch_size
+            * train.gradient_accumulation_steps
+            * self.topology.world_size
+            * self.config.data.block_size
+        )
+        interval_start, interval_steps, interval_step_time = time.perf_counter(), 0, 0.0
+        loss = self.run_facts.get("resumed_loss", float("nan"))
+        started = time.perf_counter()
+        try:
+            for step in range(start + 1, train.max_steps + 1):
+                step_start = time.perf_counter()
+                local_loss = self.engine.train_step(self._micro_batches(step))
+                step_time = time.perf_counter() - step_start
+                interval_steps += 1
+                interval_step_time += step_time
+                result = StepResult(
+                    step=step,
+                    max_steps=train.max_steps,
+                    loss=local_loss,
+                    lr=self.engine.lr(),
+                    step_time_s=step_time,
+                    rank=self.topology.rank,
+                )
+                code = self._after_step(result)
+                if code:
+                    self.reporter.info(f"stopping at step {step}: a per-step check returned exit code {code}")
+                    return code
+                self.reporter.advance(step)
+                last = step == train.max_steps
+                if step % train.log_every == 0 or last:
+                    loss = self._global_loss(local_loss)
+                    elapsed = time.perf_counter() - interval_start
+                    self.reporter.log_step(
+                        {
+                            "step": step,
+                            "loss": loss,
+                            "lr": result.lr,
+                            "tokens_per_s": tokens_per_step * interval_steps / elapsed,
+                            "step_time_s": interval_step_time / interval_steps,
+                            "world_size": self.topology.world_size,
+                        }
+                    )
+                    interval_start, interval_steps, interval_step_time = time.perf_counter(), 0, 0.0
+                if last or (
+                    self.config.checkpoint.save_steps and step % self.config.checkpoint.save_steps == 0
+                ):
+                    if step % train.log_every and not last:
+                        loss = self._global_loss(local_loss)
+                    self._save(step, loss)
+                    interval_start = time.perf_counter()  # checkpoint time is not training throughput
+        finally:
+            self.reporter.close()
+        self._summarize(loss, time.perf_counter() - started, start)
+        return exitcodes.OK
+
+    def _after_step(self, result: StepResult) -> int:
+        """Run the per-step checks; every rank returns the same code (the highest any rank raised)."""
+        if not self.hooks:
+            return exitcodes.OK
+        from trainer.distributed import max_across_ranks
+
+        code = next((c for hook in self.hooks if (c := hook(result))), exitcodes.OK)
+        return max_across_ranks(code, self.topology.device)
+
+    def _micro_batches(self, step: int) -> Iterator[Batch]:
+        # The data position is a pure function of the step, so resuming at a step resumes the data.
+        accumulation = self.config.train.gradient_accumulation_steps
+        first = (step - 1) * accumulation
+        for position in range(first, first + accumulation):
+            yield self.batches.batch(position)
+
+    def _global_loss(self, local_loss: float) -> float:
+        from trainer.distributed import mean_across_ranks
+
+        return mean_across_ranks(local_loss, self.topology.device)
+
+    def _resume(self) -> int:
+        if self.resume_from is None:
+            return 0
+        import torch
+
+        from trainer.checkpoint import read_state, rng_file, set_rng_state
+
+        state = read_state(self.resume_from)
+        self.engine.load(self.resume_from)
+        rng_path = rng_file(self.resume_from, self.topology.rank)
+        if state.get("world_size") != self.topology.world_size:
+            self.reporter.info(
+                f"warning: {self.resume_from} was written by {state.get('world_size')} processes, "
+                f"this run has {self.topology.world_size}: data order and random streams differ from an "
+                "uninterrupted run"
+            )
+        if rng_path.is_file():
+            set_rng_state(torch.load(rng_path, weights_only=False))
+        self.run_facts["resumed_loss"] = state.get("loss", float("nan"))
+        self.reporter.info(f"resumed from {self.resume_from} at step {state['step']}")
+        return int(state["step"])
+
+    def _save(self, step: int, loss: float) -> None:
+        accumulation = self.config.train.gradient_accumulation_steps
+        state = {
+            "step": step,
+            "loss": loss,
+            "micro_batches_consumed": step * accumulation,
+            "epoch": (step * accumulation) // self.batches.batches_per_epoch,
+            "world_size": self.topology.world_size,
+            "engine": self.engine.name,
+            "seed": self.config.train.seed,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        path = self.checkpoints.save(step, self.engine.save, state)
+        self.reporter.info(f"checkpoint {path}")
+
+    def _summarize(self, loss: float, wall_time_s: float, start_step: int) -> None:
+        from trainer.distributed import gather
+
+        checksums = gather(self.engine.parameter_checksum())
+        self.reporter.write_json(
+            "summary.json",
+            {
+                "final_step": self.config.train.max_steps,
+                "final_loss": loss,
+                "world_size": self.topology.world_size,
+                "num_nodes": self.topology.num_nodes,
+                "engine": self.engine.name,
+                "resumed_from": str(self.resume_from) if self.resume_from else None,
+                "steps_this_run": self.config.train.max_steps - start_step,
+                "wall_time_s": round(wall_time_s, 3),
+                "param_checksums": checksums,
+                "ranks_agree": len(set(checksums)) == 1,
+            },
+        )
+        self.reporter.info(
+            f"done: step {self.config.train.max_steps}, loss {loss:.4f}, "
+            f"parameters identical on all {len(checksums)} ranks: {len(set(checksums)) == 1}"
+        )

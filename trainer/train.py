@@ -1,0 +1,213 @@
+"""`trainer train`: one training worker, alone or under torchrun / deepspeed / accelerate launch.
+
+Order matters: the config and the data are checked on every rank before the process group starts,
+so a bad value fails fast and identically everywhere (rank 0 says why) instead of one rank hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import TYPE_CHECKING
+
+from trainer import exitcodes
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
+    from trainer.loop import StepHook
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", metavar="FILE", help="YAML config (default: the embedded trainer/configs/default.yaml)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set train.max_steps=200 (repeatable; values are YAML)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config and the dataset sizing for this world size, print the resolved config, "
+        "train nothing",
+    )
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _error(message: str) -> None:
+    # Every rank finds the same problem; one copy of the message is enough.
+    if _rank() == 0:
+        print(f"trainer: {message}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainer.config import ConfigError, dump_config, load_config
+    from trainer.data import DataError, read_text, required_repeats
+    from trainer.distributed import world_size_from_env
+
+    try:
+        config = load_config(args.config, args.overrides)
+        world_size = world_size_from_env()
+        if args.dry_run:
+            samples = (len(read_text(config.data.path)) - 1) // config.data.block_size
+            repeats, note = required_repeats(
+                samples,
+                config.data,
+                config.train.micro_batch_size,
+                world_size,
+                config.train.gradient_accumulation_steps,
+            )
+            print(dump_config(config), end="")
+            print(
+                f"# world size {world_size}: {samples} samples × {repeats} repeats; "
+                f"{note or 'the dataset fills the effective batch'}"
+            )
+            return exitcodes.OK
+        from trainer.data import load_corpus
+
+        corpus = load_corpus(config.data)
+        repeats, note = required_repeats(
+            corpus.num_samples,
+            config.data,
+            config.train.micro_batch_size,
+            world_size,
+            config.train.gradient_accumulation_steps,
+        )
+    except ConfigError as err:
+        _error(f"config error: {err}")
+        return exitcodes.CONFIG_ERROR
+    except DataError as err:
+        _error(f"data error: {err}")
+        return exitcodes.DATA_ERROR
+    try:
+        return train(config, corpus, repeats=repeats, notes=[note] if note else [])
+    except ConfigError as err:  # checkpoint.resume naming a bad path is found once the run starts
+        _error(f"config error: {err}")
+        return exitcodes.CONFIG_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+def train(
+    config: TrainerConfig, corpus, *, repeats: int, notes: list[str], hooks: list[StepHook] | None = None
+) -> int:
+    """Start the process group, build model and engine, resume, run the loop, leave cleanly."""
+    import random
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from trainer import distributed
+    from trainer.checkpoint import CheckpointWriter, find_resume_point
+    from trainer.config import dump_config
+    from trainer.data import ShardedBatches
+    from trainer.engines import create_engine
+    from trainer.loop import Trainer
+    from trainer.metrics import RUN_FILE, Reporter
+    from trainer.model import GPT
+
+    topology = distributed.discover(config.distributed.backend)
+    output_dir = Path(config.output_dir)
+    reporter = Reporter(output_dir, enabled=topology.is_main, max_steps=config.train.max_steps)
+    resume_from, resume_note = find_resume_point(config.checkpoint, output_dir)
+    distributed.start(topology, config.distributed.timeout_s)
+    clean = False
+    try:
+        if topology.is_main:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        distributed.barrier()
+        for note in [*notes, resume_note]:
+            if note:
+                reporter.info(note)
+        bf16 = config.train.mixed_precision == "bf16" or (
+            config.train.mixed_precision == "auto"
+            and torch.cuda.is_available()
+            and torch.cuda.is_bf16_supported()
+        )
+        # Same seed everywhere for the initial weights; then a per-rank offset so dropout differs.
+        seed = config.train.seed
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        model = GPT(config.model, vocab_size=len(corpus.vocab), block_size=config.data.block_size)
+        if config.train.compile:
+            model.compile()
+        engine = create_engine(config, topology, model, bf16=bf16)
+        random.seed(seed + topology.rank)
+        np.random.seed(seed + topology.rank)
+        torch.manual_seed(seed + topology.rank)
+        batches = ShardedBatches(
+            corpus,
+            repeats=repeats,
+            micro_batch_size=config.train.micro_batch_size,
+            rank=topology.rank,
+            world_size=topology.world_size,
+            seed=seed,
+            device=topology.device,
+        )
+        hosts = distributed.gather(topology.to_dict())
+        reporter.write_json(
+            RUN_FILE,
+            {
+                "config": config.to_dict(),
+                "topology": {
+                    "world_size": topology.world_size,
+                    "num_nodes": topology.num_nodes,
+                    "engine": config.distributed.engine,
+                    "backend": topology.backend,
+                    "device": topology.device,
+                    "bf16": bf16,
+                    "ranks": hosts,
+                },
+                "data": {
+                    "path": config.data.path or "pydoc_data.topics (bundled)",
+                    "characters": len(corpus.ids),
+                    "vocab_size": len(corpus.vocab),
+                    "samples": corpus.num_samples,
+                    "repeats": repeats,
+                    "effective_batch": config.train.micro_batch_size
+                    * topology.world_size
+                    * config.train.gradient_accumulation_steps,
+                },
+            },
+        )
+        reporter.info(
+            f"training {sum(p.numel() for p in model.parameters()):,} parameters with "
+            f"{config.distributed.engine} on {topology.world_size} process(es), "
+            f"{topology.num_nodes} node(s), {topology.device}"
+            f"{', bf16' if bf16 else ''}; output in {output_dir}"
+        )
+        if topology.is_main and os.environ.get("TRAINER_PRINT_CONFIG"):
+            print(dump_config(config), end="")
+        checkpoints = CheckpointWriter(
+            config.checkpoint, output_dir, rank=topology.rank, barrier=distributed.barrier, log=reporter.info
+        )
+        checkpoints.remove_leftovers()
+        trainer = Trainer(
+            config=config,
+            topology=topology,
+            engine=engine,
+            batches=batches,
+            checkpoints=checkpoints,
+            reporter=reporter,
+            resume_from=resume_from,
+            hooks=tuple(hooks or ()),
+        )
+        code = trainer.train()
+        clean = True  # every rank got here with the same code: leaving together is safe
+        return code
+    except Exception:
+        print(f"trainer: rank {topology.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return exitcodes.FAILURE
+    finally:
+        distributed.shutdown(clean)
