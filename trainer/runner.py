@@ -189,10 +189,12 @@ def run_playbook(
     *,
     timeout_s: float | None = None,
     verbosity: int = 0,
+    env: Mapping[str, str] | None = None,
 ) -> PlaybookResult:
     """Run `playbook` against `inventory` and return what happened on each host.
 
     Blocks until the run ends; `on_event` is called on this thread for each event as it arrives.
+    `env` adds variables (e.g. ANSIBLE_FORKS) on top of the filtered environment.
     KeyboardInterrupt cancels the run (ansible-playbook is terminated) and is then re-raised.
     """
     import ansible_runner  # imported here: heavy, and only the controller's run paths need it
@@ -212,7 +214,7 @@ def run_playbook(
     def filter_env(status_data: dict[str, Any], runner_config: Any = None) -> None:
         # "starting" comes before ansible-runner writes artifacts/<id>/command and spawns the process.
         if status_data.get("status") == "starting" and runner_config is not None:
-            runner_config.env = filtered_environment(runner_config.env, bin_dir)
+            runner_config.env = {**filtered_environment(runner_config.env, bin_dir), **(env or {})}
 
     private_data_dir = tempfile.mkdtemp(prefix="clustertrain-runner-")
     try:

@@ -1,0 +1,145 @@
+"""`trainer plan`: the topology from an inventory alone, and the refusal of bad topologies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.cli import main
+from trainer.launcher.plan import PlanError, make_plan
+from trainer.launcher.topology import TopologyError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_inventory(root: Path, hosts: dict[str, dict], workers: dict[str, dict], **group_vars) -> Path:
+    """A cluster inventory: `hosts` is the head group (normally one host), `workers` the others."""
+    inventory = root / "inventory"
+    (inventory / "group_vars" / "cluster").mkdir(parents=True)
+    tree = {"cluster": {"children": {"head": {"hosts": hosts}, "workers": {"hosts": workers}}}}
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    settings = {
+        "cluster_master_port": 29500,
+        "cluster_nccl_socket_ifname": "auto",
+        "cluster_nccl_ib_disable": 1,
+        "cluster_nccl_debug": "WARN",
+        "cluster_nccl_timeout_s": 1800,
+        "cluster_shared_dir": "/srv/shared",
+        "training_venv": "/opt/venv",
+        "training_procs_per_node": 2,
+        "training_engine": "ddp",
+        "training_config": "",
+        "cluster_training_user": "trainer",
+    }
+    settings.update(group_vars)
+    (inventory / "group_vars" / "cluster" / "all.yml").write_text(yaml.safe_dump(settings))
+    return inventory
+
+
+def three_nodes(tmp_path, head_vars=None, worker_vars=None, **group_vars) -> Path:
+    worker_vars = worker_vars or {}
+    return write_inventory(
+        tmp_path,
+        {"n-head": {"cluster_ip": "10.0.0.10", **(head_vars or {})}},
+        {
+            "n-b": {"cluster_ip": "10.0.0.12", **worker_vars.get("n-b", {})},
+            "n-a": {"cluster_ip": "10.0.0.11", **worker_vars.get("n-a", {})},
+        },
+        **group_vars,
+    )
+
+
+def test_head_is_rank_zero_and_workers_follow_inventory_order(tmp_path):
+    plan = make_plan(three_nodes(tmp_path))
+    topo = plan.topology
+    assert [(n.host, n.node_rank) for n in topo.nodes] == [("n-head", 0), ("n-b", 1), ("n-a", 2)]
+    assert (topo.nnodes, topo.gpus_per_node, topo.world_size) == (3, 2, 6)
+    assert topo.master_addr == "10.0.0.10" and topo.master_port == 29500
+    env = topo.node_env(topo.node("n-a"), resolved_ifname="=eth1")
+    assert env["NODE_RANK"] == "2" and env["NNODES"] == "3" and env["MASTER_ADDR"] == "10.0.0.10"
+    assert env["GPUS_PER_NODE"] == "2"
+    assert env["NCCL_SOCKET_IFNAME"] == "=eth1" and env["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert env["NCCL_IB_DISABLE"] == "1" and env["NCCL_DEBUG"] == "WARN"
+    assert plan.config["distributed"]["timeout_s"] == 1800
+    assert plan.output_dir == "/srv/shared/runs/default"
+    command = plan.node_command(topo.node("n-a"))
+    assert command[0] == "/opt/venv/bin/torchrun" and "--node-rank=2" in command
+
+
+def test_effective_batch_size_reads_the_trainer_config(tmp_path):
+    config = tmp_path / "mine.yaml"
+    config.write_text(yaml.safe_dump({"train": {"micro_batch_size": 3, "gradient_accumulation_steps": 4}}))
+    plan = make_plan(
+        three_nodes(tmp_path), config=str(config), overrides=["train.gradient_accumulation_steps=5"]
+    )
+    assert plan.effective_batch_size == 3 * 6 * 5
+    assert plan.config["output_dir"] == "/srv/shared/runs/default"
+
+
+def test_rank_override_pins_a_worker(tmp_path):
+    inventory = three_nodes(tmp_path, worker_vars={"n-a": {"cluster_node_rank": 1}})
+    topo = make_plan(inventory).topology
+    assert [(n.host, n.node_rank) for n in topo.nodes] == [("n-head", 0), ("n-a", 1), ("n-b", 2)]
+
+
+@pytest.mark.parametrize(
+    ("head_vars", "worker_vars", "group_vars", "message"),
+    [
+        ({}, {"n-a": {"training_procs_per_node": 4}}, {}, "training_procs_per_node differs between hosts"),
+        (
+            {},
+            {"n-a": {"cluster_node_rank": 1}, "n-b": {"cluster_node_rank": 1}},
+            {},
+            "node rank 1 is given to",
+        ),
+        ({"cluster_node_rank": 2}, {}, {}, "the head is always node rank 0"),
+        ({}, {"n-a": {"cluster_node_rank": "first"}}, {}, "cluster_node_rank must be an integer"),
+        ({}, {"n-a": {"cluster_node_rank": 1.5}}, {}, "cluster_node_rank must be an integer"),
+        ({}, {"n-a": {"cluster_node_rank": 7}}, {}, "out of range for 3 nodes"),
+        ({}, {}, {"training_procs_per_node": 0}, "must be a positive integer"),
+    ],
+)
+def test_bad_topologies_are_refused(tmp_path, head_vars, worker_vars, group_vars, message):
+    inventory = three_nodes(tmp_path, head_vars, worker_vars, **group_vars)
+    with pytest.raises(TopologyError, match=message):
+        make_plan(inventory)
+
+
+def test_missing_head_is_refused_by_the_command(tmp_path, capsys):
+    inventory = write_inventory(tmp_path, {}, {"n-a": {"cluster_ip": "10.0.0.11"}})
+    assert main(["plan", "-i", str(inventory)]) == 2
+    err = capsys.readouterr().err
+    assert "group 'head' must hold exactly one host" in err
+
+
+def test_bad_run_name_and_output_dir_override_are_refused(tmp_path):
+    inventory = three_nodes(tmp_path)
+    with pytest.raises(PlanError, match="not a valid run name"):
+        make_plan(inventory, run_name="../escape")
+    with pytest.raises(PlanError, match="use --run-name"):
+        make_plan(inventory, overrides=["output_dir=/tmp/x"])
+
+
+def test_bad_trainer_config_is_refused_before_anything_runs(tmp_path, capsys):
+    inventory = three_nodes(tmp_path)
+    assert main(["plan", "-i", str(inventory), "--set", "train.max_stepz=3"]) == 2
+    assert "train.max_stepz" in capsys.readouterr().err
+
+
+def test_plan_json_on_the_local_inventory(capsys):
+    assert main(["plan", "-i", str(REPO / "inventory" / "local"), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["nnodes"] == 1 and plan["gpus_per_node"] == 2 and plan["world_size"] == 2
+    assert plan["master_addr"] == "127.0.0.1"
+    assert plan["output_dir"] == str(REPO / "output" / "runs" / "default")
+    assert plan["nodes"][0]["nccl_socket_ifname"] == "auto"
+
+
+def test_plan_table_names_the_settings(capsys):
+    assert main(["plan", "-i", str(REPO / "inventory" / "local")]) == 0
+    out = capsys.readouterr().out
+    for text in ("NNODES", "MASTER_PORT", "29500", "auto (resolved at launch", "effective batch size"):
+        assert text in out
