@@ -38,30 +38,36 @@ def main():
     parser.add_argument("--address", required=True)
     parser.add_argument("--master-port", type=int, required=True)
     parser.add_argument("--clock-port", type=int, default=0)
+    parser.add_argument("--master-is-ours", action="store_true", help="preflight's listener holds it")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=5.0)
     args = parser.parse_args()
 
     master_sock, master_error = connect(args.address, args.master_port, args.timeout)
+    if master_sock is not None:
+        master_sock.close()
+    # Clock samples through the clock port (always preflight's own listener); through the master
+    # port only when preflight holds it too, since a stranger there would never answer.
     clock = {"samples": [], "via": None, "error": ""}
-    sock, via = master_sock, args.master_port
-    if sock is None and args.clock_port:
-        sock, clock["error"] = connect(args.address, args.clock_port, args.timeout)
-        via = args.clock_port
-    if sock is not None:
+    candidates = [args.clock_port] if args.clock_port else []
+    if args.master_is_ours:
+        candidates.append(args.master_port)
+    for port in candidates:
+        sock, error = connect(args.address, port, args.timeout)
+        if sock is None:
+            clock["error"] = error
+            continue
         try:
-            clock["samples"], clock["via"] = samples(sock, args.samples), via
+            clock.update(samples=samples(sock, args.samples), via=port, error="")
+            break
         except (OSError, ValueError) as err:
             clock["error"] = str(err)
         finally:
             sock.close()
-    elif not clock["error"]:
-        clock["error"] = master_error
-    print(
-        json.dumps(
-            {"master_port": {"connected": master_sock is not None, "error": master_error}, "clock": clock}
-        )
-    )
+    if not candidates:
+        clock["error"] = "the head has no listener for the clock check"
+    master = {"connected": master_sock is not None, "error": master_error}
+    print(json.dumps({"master_port": master, "clock": clock}))
     return 0
 
 

@@ -1,0 +1,154 @@
+"""`trainer preflight` for real on this machine: the local inventory, and three "nodes" on loopback
+addresses (127.0.0.1-3, connection local) so the pair checks, the head listener and iperf3 run."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer import exitcodes
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = [sys.executable, "-m", "trainer"]
+
+
+def preflight(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*TRAINER, "preflight", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_local_inventory_passes_and_skips_pair_checks(tmp_path):
+    report_path = tmp_path / "preflight.json"
+    out = preflight("-i", "inventory/local", "--skip", "deepspeed", "--report", str(report_path))
+    assert out.returncode == exitcodes.OK, out.stdout + out.stderr
+    assert "preflight passed" in out.stdout
+    report = json.loads(report_path.read_text())
+    assert report["ok"] is True
+    by_check = {r["check"]: r for r in report["results"]}
+    for pair_check in ("ssh", "master_port", "clock", "bandwidth"):
+        assert by_check[pair_check]["status"] == "skip"
+        assert by_check[pair_check]["detail"] == "skipped: one node"
+    for node_check in ("accelerators", "versions", "shared_dir", "data"):
+        assert by_check[node_check]["status"] == "pass", by_check[node_check]
+    assert by_check["deepspeed"]["detail"] == "skipped: --skip"
+    # The shared-dir marker file was removed again.
+    assert not list((REPO / "output").glob(".preflight-*"))
+
+
+def test_missing_inventory_is_a_config_error():
+    out = preflight("-i", "inventory/nowhere")
+    assert out.returncode == exitcodes.CONFIG_ERROR
+    assert "inventory/nowhere does not exist" in out.stderr
+
+
+def test_unknown_check_name_is_refused():
+    out = preflight("-i", "inventory/local", "--skip", "dns")
+    assert out.returncode == 2 and "invalid choice: 'dns'" in out.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def loopback_inventory(tmp_path: Path, master_port: int, data_files: dict[str, Path]) -> Path:
+    """Three nodes on this machine at 127.0.0.1..3, each with its own data file path."""
+    hosts = {
+        "node-a": {"cluster_ip": "127.0.0.1"},
+        "node-b": {"cluster_ip": "127.0.0.2"},
+        "node-c": {"cluster_ip": "127.0.0.3"},
+    }
+    for name, path in data_files.items():
+        hosts[name]["cluster_data_path"] = str(path)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    inventory = {
+        "cluster": {
+            "children": {
+                "head": {"hosts": {"node-a": hosts["node-a"]}},
+                "workers": {"hosts": {"node-b": hosts["node-b"], "node-c": hosts["node-c"]}},
+            },
+            "vars": {
+                "ansible_connection": "local",
+                "ansible_python_interpreter": sys.executable,
+                "cluster_accelerators": 0,
+                "cluster_accelerator_model": "cpu",
+                "cluster_subnet": "127.0.0.0/8",
+                "cluster_training_user": _user(),
+                "cluster_shared_dir": str(shared),
+                "cluster_master_port": master_port,
+                "cluster_comm_port_range": f"{master_port}:{master_port + 20}",
+                "training_venv": str(Path(sys.executable).parents[1]),
+            },
+        }
+    }
+    path = tmp_path / "hosts.yml"
+    path.write_text(yaml.safe_dump(inventory))
+    return path
+
+
+def _user() -> str:
+    import os
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+@pytest.mark.slow
+def test_loopback_cluster_names_the_changed_data_file_and_the_busy_master_port(tmp_path):
+    good = tmp_path / "data-good.txt"
+    good.write_text("the same text on every node\n" * 100)
+    changed = tmp_path / "data-changed.txt"
+    changed.write_text("the same text on every node\n" * 99 + "edited on one node\n")
+    port = free_port()
+    inventory = loopback_inventory(tmp_path, port, {"node-a": good, "node-b": good, "node-c": changed})
+    report_path = tmp_path / "report.json"
+    # Something already holds the master port on the head, as a leftover trainer would.
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen(1)
+        out = preflight("-i", str(inventory), "--report", str(report_path),
+                        "--skip", "ssh", "ufw", "bandwidth", "deepspeed")  # fmt: skip
+    assert out.returncode == exitcodes.PREFLIGHT_FAILED, out.stdout + out.stderr
+    report = json.loads(report_path.read_text())
+    failed = {(r["check"], r["subject"]): r for r in report["results"] if r["status"] == "fail"}
+    assert set(failed) == {("data", "node-c"), ("master_port", "node-a")}, out.stdout
+    assert "data-changed.txt differs" in failed[("data", "node-c")]["detail"]
+    assert f"port {port} on node-a is already in use" in failed[("master_port", "node-a")]["detail"]
+    assert "FAIL  data         node-c" in out.stdout
+    # The clocks were still measured, through the clock port from the comm range.
+    clocks = [r for r in report["results"] if r["check"] == "clock" and r["subject"] != "node-a"]
+    assert [r["status"] for r in clocks] == ["pass", "pass"]
+    assert all(abs(r["data"]["offset_s"]) < 0.05 for r in clocks)
+
+
+@pytest.mark.slow
+def test_loopback_cluster_bandwidth_in_parallel_rounds(tmp_path):
+    port = free_port()
+    inventory = loopback_inventory(tmp_path, port, {})
+    report_path = tmp_path / "report.json"
+    out = preflight("-i", str(inventory), "--report", str(report_path), "--iperf-seconds", "1",
+                    "--bandwidth-threshold-gbit", "1000", "--skip", "ssh", "ufw", "deepspeed")  # fmt: skip
+    report = json.loads(report_path.read_text())
+    assert out.returncode == exitcodes.OK, out.stdout + out.stderr
+    matrix = report["bandwidth"]
+    assert matrix["nodes"] == ["node-a", "node-b", "node-c"]
+    assert len(matrix["rounds"]) == 3
+    cells = matrix["matrix"]
+    for i in range(3):
+        for j in range(3):
+            assert (cells[i][j] is None) == (i == j), cells
+    # Below the (absurd) 1000 Gbit/s threshold: a warning with the ZeRO advice, not a failure.
+    warnings = [r for r in report["results"] if r["check"] == "bandwidth"]
+    assert len(warnings) == 3 and all(r["status"] == "warn" for r in warnings)
+    assert "ZeRO-2" in out.stdout and "ZeRO-3" in out.stdout
+    # The iperf3 servers were stopped after their round.
+    assert "iperf3 -s" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

@@ -1,0 +1,137 @@
+"""Pure logic of preflight: the round-robin schedule, offsets, the matrix, ufw rules, comparisons."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from trainer.preflight import bandwidth, clock, compare, network, ssh
+from trainer.preflight.report import FAIL, PASS, WARN
+
+
+@pytest.mark.parametrize("count", range(1, 10))
+def test_round_robin_meets_every_pair_once_in_few_rounds(count):
+    nodes = [f"n{i}" for i in range(count)]
+    rounds = bandwidth.round_robin(nodes)
+    pairs = [frozenset(pair) for r in rounds for pair in r]
+    assert sorted(pairs, key=sorted) == sorted(
+        (frozenset(p) for p in itertools.combinations(nodes, 2)), key=sorted
+    )
+    assert len(pairs) == len(set(pairs))  # every pair exactly once
+    expected_rounds = 0 if count < 2 else (count - 1 if count % 2 == 0 else count)
+    assert len(rounds) == expected_rounds
+    for one_round in rounds:
+        in_round = [node for pair in one_round for node in pair]
+        assert len(in_round) == len(set(in_round)), f"a node is twice in {one_round}"
+        assert len(one_round) == count // 2  # odd N: exactly one node has a bye
+
+
+def test_round_robin_is_far_fewer_rounds_than_sequential_tests():
+    nodes = [f"n{i}" for i in range(16)]
+    assert len(bandwidth.round_robin(nodes)) == 15 < len(list(itertools.combinations(nodes, 2))) == 120
+
+
+def test_round_robin_refuses_duplicate_names():
+    with pytest.raises(ValueError, match="duplicate"):
+        bandwidth.round_robin(["a", "b", "a"])
+
+
+def test_offset_uses_the_minimum_round_trip_sample():
+    # Node clock 2.5 s ahead of the head; the slow sample (asymmetric delay) would mislead.
+    samples = [(100.0, 97.9, 100.8), (200.0, 197.5, 200.0002), (300.0, 297.0, 300.5)]
+    offset, rtt = clock.best_offset(samples)
+    assert offset == pytest.approx(2.5, abs=1e-3)
+    assert rtt == pytest.approx(0.0002)
+
+
+def test_clock_failure_names_host_offset_and_fix():
+    result = clock.evaluate("worker7", "head0", 2.5, 0.001, 1.0)
+    assert result.status == FAIL
+    assert "worker7" in result.detail and "+2.500 s" in result.detail and "head0" in result.detail
+    assert "chronyc" in result.fix
+    assert clock.evaluate("worker7", "head0", -0.2, 0.001, 1.0).status == PASS
+
+
+def test_clock_counts_the_measurement_uncertainty():
+    # 0.9 s measured with a 0.4 s round trip could be 1.1 s: not provably within 1 s.
+    assert clock.evaluate("w", "h", 0.9, 0.4, 1.0).status == FAIL
+
+
+def test_matrix_rows_are_senders():
+    nodes = ["a", "b", "c"]
+    cells = bandwidth.matrix(nodes, {("a", "b"): 9.0, ("b", "a"): 8.0})
+    assert cells == [[None, 9.0, None], [8.0, None, None], [None, None, None]]
+    text = bandwidth.format_matrix(nodes, cells)
+    assert "9.00" in text and "8.00" in text
+
+
+def test_iperf_json_both_directions_and_errors():
+    result = {
+        "end": {
+            "sum_received": {"bits_per_second": 25e9},
+            "sum_received_bidir_reverse": {"bits_per_second": 5e9},
+        }
+    }
+    assert bandwidth.parse_iperf_json(result) == (25.0, 5.0, "")
+    assert (
+        bandwidth.parse_iperf_json({"error": "unable to connect to server"})[2]
+        == "unable to connect to server"
+    )
+
+
+def test_slow_pair_warns_with_zero2_advice_and_failed_test_fails():
+    slow = bandwidth.evaluate_pair("a", "b", 25.0, 4.0, "", 10.0)
+    assert slow.status == WARN and "4.00" in slow.detail
+    assert "ZeRO-2" in bandwidth.ZERO_ADVICE and "ZeRO-3" in bandwidth.ZERO_ADVICE
+    assert bandwidth.evaluate_pair("a", "b", 25.0, 24.0, "", 10.0).status == PASS
+    broken = bandwidth.evaluate_pair("a", "b", None, None, "unable to connect", 10.0)
+    assert broken.status == FAIL and "b" in broken.fix
+
+
+def test_bandwidth_ports_stay_in_the_comm_range_and_avoid_the_master_port():
+    assert bandwidth.bandwidth_ports("29400:29999", 29999) == [29998]
+    with pytest.raises(ValueError, match="cluster_comm_port_range"):
+        bandwidth.parse_port_range("29400-29999")
+
+
+def test_the_odd_node_out_is_named_not_the_majority():
+    reference, odd = compare.odd_ones({"head": "x", "w1": "x", "w2": "y"}, "head")
+    assert (reference, odd) == ("x", ["w2"])
+    # Two nodes disagree: the head is the reference, the worker is named.
+    assert compare.odd_ones({"head": "x", "w1": "y"}, "head") == ("x", ["w1"])
+
+
+UFW_STATUS = """Status: active
+Logging: on (low)
+Default: deny (incoming), allow (outgoing), deny (routed)
+New profiles: skip
+
+To                         Action      From
+--                         ------      ----
+29500/tcp                  DENY IN     Anywhere
+22/tcp                     ALLOW IN    Anywhere
+29400:29999/tcp            ALLOW IN    10.89.0.0/24
+29500/tcp                  ALLOW IN    10.89.0.0/24
+OpenSSH                    ALLOW IN    Anywhere
+22/tcp (v6)                ALLOW IN    Anywhere (v6)
+"""
+
+
+def test_ufw_first_matching_rule_decides():
+    active, default, rules = network.parse_ufw_status(UFW_STATUS)
+    assert active and default == "deny" and len(rules) == 4
+    allowed, rule = network.ufw_verdict(rules, default, 29500, "10.89.0.3")
+    assert not allowed and "DENY" in rule
+    assert network.ufw_verdict(rules, default, 29401, "10.89.0.3")[0]
+    assert not network.ufw_verdict(rules, default, 29401, "192.0.2.9")[0]  # not the cluster subnet
+    assert not network.ufw_verdict(rules, default, 8080, "10.89.0.3")[0]  # default deny
+
+
+def test_ssh_diagnosis_names_the_cause_and_never_suggests_disabling_host_keys():
+    detail, fix = ssh.diagnose(
+        "w1", "w2", "10.0.0.3", "train", "train@10.0.0.3: Permission denied (publickey)."
+    )
+    assert "refuses" in detail and "authorized_keys on w2" in fix
+    detail, fix = ssh.diagnose("w1", "w2", "10.0.0.3", "train", "Host key verification failed.")
+    assert "not pinned" in detail and "known_hosts" in fix and "never use StrictHostKeyChecking=no" in fix
