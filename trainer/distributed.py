@@ -78,6 +78,10 @@ def start(topology: Topology, timeout_s: int) -> None:
 
     if topology.device.startswith("cuda"):
         torch.cuda.set_device(topology.local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ and topology.local_world_size > 1:
+        # torchrun sets OMP_NUM_THREADS=1 for several processes per node; other launchers
+        # (accelerate launch) do not, and N processes × all cores threads thrash the CPU.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
     if not dist.is_initialized():
         dist.init_process_group(backend=topology.backend, timeout=timedelta(seconds=timeout_s))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,10 @@ class Engine:
 
 def create_engine(config: TrainerConfig, topology: Topology, model: torch.nn.Module, *, bf16: bool) -> Engine:
     engine = config.distributed.engine
+    if not topology.device.startswith("cuda"):
+        # Tell DeepSpeed (also imported by accelerate) it is on the CPU, instead of letting every rank
+        # print a warning that it detected no GPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if engine == "ddp":
         from trainer.engines.ddp import DDPEngine
 

@@ -51,7 +51,8 @@ class AccelerateEngine(Engine):
         return self.scheduler.get_last_lr()[0]
 
     def save(self, directory: Path) -> None:
-        self.accelerator.save_state(str(directory / STATE_DIR))
+        # Not safetensors: it drops the tied output head (shared with the embedding) and warns about it.
+        self.accelerator.save_state(str(directory / STATE_DIR), safe_serialization=False)
 
     def load(self, directory: Path) -> None:
         self.accelerator.load_state(str(directory / STATE_DIR))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ class DeepSpeedEngine(Engine):
     def __init__(self, config, topology, model: torch.nn.Module, bf16: bool = False):
         # DeepSpeed logs every rank's set-up at INFO; warnings and errors still come through.
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        # DeepSpeed's ZeRO uses a collective torch has renamed; the warning says nothing to the user.
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
         deepspeed.init_distributed(dist_backend=topology.backend)  # adopts the existing process group
         self.topology = topology
         self.ds_config = deepspeed_config(config, topology.world_size, bf16)
