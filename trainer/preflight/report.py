@@ -93,7 +93,8 @@ class Report:
 
 def format_result(result: Result) -> str:
     """One line per verdict, the fix on an indented line below a failure or warning."""
-    line = f"{result.status.upper():<4}  {result.check:<12} {result.subject:<28} {result.detail}"
+    detail = result.detail.replace("\n", "\n      ")  # keep a quoted log tail under its verdict
+    line = f"{result.status.upper():<4}  {result.check:<12} {result.subject:<28} {detail}"
     if result.fix and result.status in (FAIL, WARN):
         line += f"\n      fix: {result.fix}"
     return line
