@@ -62,6 +62,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip",
         nargs="+",
+        action="extend",
         default=[],
         choices=CHECKS,
         metavar="CHECK",
@@ -133,11 +134,27 @@ def run(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
+def _progress():
+    """Name each probe once as it runs, so a slow one (iperf3 rounds, SSH timeouts) shows where it is."""
+    seen: set[str] = set()
+
+    def on_event(event: dict) -> None:
+        # The first host done with a probe, not the task start: skipped probes stay quiet.
+        if event.get("event") not in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable"):
+            return
+        name = str(event.get("event_data", {}).get("task", ""))
+        if name.startswith("Preflight | ") and name not in seen:
+            seen.add(name)
+            print(f"  ... {name.removeprefix('Preflight | ')}", flush=True)
+
+    return on_event
+
+
 def _probe_results(cluster, checks: list[str], args, report: Report) -> list[Result]:
     from trainer.preflight import bandwidth, network, nodes, probe, ssh, storage
 
     print(f"preflight: probing {', '.join(checks)} ...", flush=True)
-    probes = probe.run_probes(cluster, checks, iperf_seconds=args.iperf_seconds)
+    probes = probe.run_probes(cluster, checks, iperf_seconds=args.iperf_seconds, on_event=_progress())
     results: list[Result] = []
 
     def missing(task):
