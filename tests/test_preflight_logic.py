@@ -135,3 +135,85 @@ def test_ssh_diagnosis_names_the_cause_and_never_suggests_disabling_host_keys():
     assert "refuses" in detail and "authorized_keys on w2" in fix
     detail, fix = ssh.diagnose("w1", "w2", "10.0.0.3", "train", "Host key verification failed.")
     assert "not pinned" in detail and "known_hosts" in fix and "never use StrictHostKeyChecking=no" in fix
+
+
+def _cluster(**per_host):
+    from pathlib import Path
+
+    from trainer.inventory import Cluster, Host
+
+    def host(name):
+        return Host(name, {"cluster_accelerators": 0, "cluster_accelerator_model": "cpu",
+                           "cluster_training_user": "trainer", "cluster_training_uid": 2000,
+                           "cluster_shared_dir": "/shared", "training_venv": "/opt/venv",
+                           **per_host.get(name, {})})  # fmt: skip
+
+    return Cluster(Path("inv"), host("head"), (host("w1"), host("w2")))
+
+
+def _no_answer(host):
+    return f"no answer from {host}"
+
+
+def test_versions_name_the_worker_and_the_package_that_differ():
+    from trainer.preflight import nodes
+
+    same = {
+        "python": "3.11.2",
+        "torch": "2.13.0",
+        "deepspeed": "0.19.8",
+        "accelerate": "1.15.0",
+        "trainer": "0.1.0",
+    }
+    facts = {
+        "head": {"versions": same},
+        "w1": {"versions": same},
+        "w2": {"versions": {**same, "torch": "2.12.0"}},
+    }
+    results = nodes.versions(_cluster(), facts, _no_answer)
+    failed = [r for r in results if r.status == FAIL]
+    assert [r.subject for r in failed] == ["w2"]
+    assert "torch 2.12.0 (others 2.13.0)" in failed[0].detail and "deepspeed" not in failed[0].detail
+
+
+def test_accelerators_must_match_the_inventory_and_each_other():
+    from trainer.preflight import nodes
+
+    gpu = {"count": 8, "models": ["NVIDIA H100 80GB HBM3"] * 8, "source": "nvidia-smi"}
+    inventory = {"cluster_accelerators": 8, "cluster_accelerator_model": "NVIDIA H100 80GB HBM3"}
+    cluster = _cluster(head=inventory, w1=inventory, w2=inventory)
+    facts = {"head": {"accelerators": gpu}, "w1": {"accelerators": gpu},
+             "w2": {"accelerators": {**gpu, "count": 7, "models": gpu["models"][:7]}}}  # fmt: skip
+    failed = [r for r in nodes.accelerators(cluster, facts, _no_answer) if r.status == FAIL]
+    assert {r.subject for r in failed} == {"w2"}
+    assert any("node reports 7 x NVIDIA H100" in r.detail for r in failed)
+    assert any("differs from the other nodes (8 x NVIDIA H100" in r.detail for r in failed)
+
+
+def test_shared_dir_names_a_worker_whose_file_the_head_cannot_see_and_a_wrong_uid():
+    from trainer.preflight import storage
+
+    writes = {
+        "head": {"uid": 2000, "error": ""},
+        "w1": {"uid": 2000, "error": ""},
+        "w2": {"uid": 1001, "error": ""},
+    }
+    verify = {"results": {"head": {"visible": True, "uid": 2000, "content_ok": True},
+                          "w1": {"visible": False, "error": "No such file or directory"}}}  # fmt: skip
+    results = {r.subject: r for r in storage.shared_dir(_cluster(), writes, verify, _no_answer)}
+    assert results["head"].status == PASS
+    assert results["w1"].status == FAIL and "not visible on head" in results["w1"].detail
+    assert "mount" in results["w1"].fix
+    assert (
+        results["w2"].status == FAIL
+        and "uid 1001" in results["w2"].detail
+        and "uid 2000" in results["w2"].fix
+    )
+
+
+def test_a_node_that_did_not_answer_fails_every_check_with_the_reason():
+    from trainer.preflight import storage
+
+    results = storage.data(_cluster(), {"head": {"data": {"path": "p", "sha256": "a" * 64}}}, _no_answer)
+    failed = {r.subject: r.detail for r in results if r.status == FAIL}
+    assert set(failed) == {"w1", "w2"} and "no answer from w1" in failed["w1"]
