@@ -5,7 +5,7 @@ the payload formats.
 """
 
 from trainer.health.breaker import CircuitBreaker, Fault
-from trainer.health.config import HealthConfig, HealthConfigError
+from trainer.health.config import HealthConfig
 from trainer.health.monitor import GpuFaultError, HealthMonitor, fault_line, is_cuda_error, start_monitor
 from trainer.health.webhook import WebhookSender, discord_payload, raw_payload
 
@@ -14,7 +14,6 @@ __all__ = [
     "Fault",
     "GpuFaultError",
     "HealthConfig",
-    "HealthConfigError",
     "HealthMonitor",
     "WebhookSender",
     "discord_payload",

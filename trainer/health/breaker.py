@@ -93,7 +93,7 @@ class CircuitBreaker:
             trip_at = limit - config.temperature_margin_c
             if temperature >= trip_at:
                 return "temperature_c", temperature, trip_at
-        active = set(metrics.get("throttle_reasons") or ()) & set(config.throttle_reasons)
+        active = set(metrics.get("throttle_reasons") or ()) & config.throttle_reason_set
         self._throttle_streak = {r: self._throttle_streak.get(r, 0) + 1 for r in active}
         for reason in sorted(active):
             if self._throttle_streak[reason] >= config.throttle_polls:

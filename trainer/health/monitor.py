@@ -22,6 +22,7 @@ import re
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from trainer import exitcodes
@@ -113,6 +114,33 @@ class HealthMonitor:
         if fault is not None:
             raise GpuFaultError(fault)
 
+    def step_hook(self, result: Any) -> int | None:
+        """A `trainer.loop.StepHook`: after each optimizer step, stop with 75 if the circuit is open."""
+        try:
+            self.check(result.step)
+        except GpuFaultError as error:
+            return self.finish(error.fault)
+        return None
+
+    def step_hooks(self, *, on_gpu: bool) -> tuple[Callable[[Any], int | None], ...]:
+        """The per-step check for the loop, on every rank or on none: the loop all-reduces the hooks'
+        results, so having the hook must depend only on the config and the device type (the same on
+        all ranks), never on whether NVML happens to work on this node."""
+        wanted = self.config.enabled and (on_gpu or self.config.fault_source != "nvml")
+        return (self.step_hook,) if wanted else ()
+
+    def exit_code_for(self, error: BaseException, *, on_gpu: bool) -> int | None:
+        """For an exception that escaped the training loop: 75 if it is (or follows) a GPU fault on this
+        rank (a GpuFaultError, a CUDA error on a GPU rank, or any error once the circuit is open, such
+        as a collective failing on the broken GPU), after reporting it; None for any other error."""
+        if isinstance(error, GpuFaultError):
+            return self.finish(error.fault)
+        if on_gpu and self.fault is None and is_cuda_error(error):
+            return self.finish(self.cuda_error(error, step=self.step + 1).fault)
+        if self.fault is not None:
+            return self.finish(self.fault)
+        return None
+
     def cuda_error(self, error: BaseException, *, step: int) -> GpuFaultError:
         """Turn a CUDA error from the training step into a fault (opens the circuit, sends the event)."""
         fault = self._breaker.trip(self._breaker.cuda_error_fault(self._last_reading, error, step=step))
@@ -127,7 +155,9 @@ class HealthMonitor:
         return exitcodes.GPU_FAULT
 
     def stop(self) -> None:
+        """The trainer is leaving: end the thread (and its stuck-loop watchdog)."""
         self._stop.set()
+        self._finished.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         if self._source is not None:
@@ -166,12 +196,21 @@ class HealthMonitor:
             if self._notified:
                 return
             self._notified = True
-        log.error("GPU fault: %s", fault_line(fault))
+        # Not the GPU_FAULT line itself: that one is printed exactly once, by _report.
+        log.error(
+            "GPU %s on %s (rank %s) faulted: %s=%s, threshold %s; sending the gpu.fault event",
+            fault.gpu,
+            fault.host,
+            fault.rank,
+            fault.metric,
+            fault.value,
+            fault.threshold,
+        )
         if self._sender is not None:
             self._sender.send_fault(fault)
 
     def _wait_for_loop_then_exit(self, fault: Fault) -> None:
-        if self._finished.wait(self.config.fault_exit_grace_s) or self._stop.is_set():
+        if self._finished.wait(self.config.fault_exit_grace_s):
             return
         log.error(
             "training loop did not stop within %.0f s of the GPU fault; exiting",
@@ -199,16 +238,16 @@ def start_monitor(
     local_rank: int,
     cuda_device: int | None,
     host: str | None = None,
-    announce: bool = True,
+    say: Callable[[str], None] | None = None,
 ) -> HealthMonitor:
     """Build and start the monitor for this rank. `cuda_device` is the CUDA index it trains on, or None
-    on a CPU rank. `announce` (rank 0) logs one line saying whether the monitor is on or off."""
+    on a CPU rank. `say` (e.g. rank 0's printer) gets one line telling whether the monitor is on."""
+    say = say or log.info
     host = host or socket.gethostname()
     monitor = HealthMonitor(config, host=host, rank=rank, local_rank=local_rank, source=None, sender=None)
     source, why_off = _open_source(config, monitor, cuda_device=cuda_device)
     if source is None:
-        if announce:
-            log.info("GPU health monitor off: %s", why_off)
+        say(f"GPU health monitor off: {why_off}")
         return monitor
     sender = None
     if config.webhook_url:
@@ -219,15 +258,11 @@ def start_monitor(
             retries=config.webhook_retries,
         )
     monitor._source, monitor._sender = source, sender
-    if announce:
-        log.info(
-            "GPU health monitor on: %s, GPU %s (%s), reading every %gs, webhook %s",
-            config.fault_source.split(":", 1)[0],
-            getattr(source, "index", "?"),
-            getattr(source, "name", "?"),
-            config.poll_interval_s,
-            config.webhook_type if sender else "none",
-        )
+    say(
+        f"GPU health monitor on: {config.fault_source.split(':', 1)[0]} source, GPU {source.index} "
+        f"({source.name}), reading every {config.poll_interval_s:g}s, "
+        f"webhook {config.webhook_type if sender else 'none'}"
+    )
     return monitor.start()
 
 

@@ -4,8 +4,8 @@ Both sources hand the monitor the same `GpuReading`, so a test drives exactly th
 drives (breaker -> webhook -> exit). Each rank watches the one GPU it trains on: a fault is then seen
 and reported once, by the rank that owns the GPU, not by every rank of the node.
 
-Test hook, `health.fault_source: "file:/path/faults.jsonl"` (or the env var
-CLUSTERTRAIN_HEALTH_FAULT_SOURCE): one JSON object per line,
+Test hook, `health.fault_source: "file:/path/faults.jsonl"` (e.g. `--set health.fault_source=file:...`):
+one JSON object per line,
 
     {"step": 5, "gpu": 0, "metrics": {"ecc_uncorrectable": 3}}
     {"step": 8, "gpu": 1, "host": "node2", "metrics": {"temperature_c": 91}}
@@ -41,6 +41,9 @@ class GpuReading:
 
 class GpuSource(Protocol):
     """Reads the GPU this rank trains on."""
+
+    index: int
+    name: str
 
     def read(self) -> GpuReading: ...
 
