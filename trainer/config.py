@@ -26,6 +26,7 @@ from trainer.checkpoint import CheckpointConfig
 from trainer.configerror import ConfigError, require
 from trainer.data import DataConfig
 from trainer.engines import DistributedConfig
+from trainer.health.config import HealthConfig
 from trainer.loop import TrainConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
@@ -74,12 +75,16 @@ class TrainerConfig:
     """Engine (ddp, deepspeed, accelerate) and its settings."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When to save, how many to keep, whether to resume."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """GPU health circuit breaker and its `gpu.fault` webhook."""
 
     def __post_init__(self) -> None:
         require(bool(self.output_dir.strip()), "output_dir", "must not be empty")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["health"] = self.health.to_public_dict()  # the webhook URL is a secret: not in run.json
+        return data
 
 
 # --- loading -------------------------------------------------------------------------------------

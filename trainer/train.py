@@ -112,6 +112,7 @@ def train(
     from trainer.config import dump_config
     from trainer.data import ShardedBatches
     from trainer.engines import create_engine
+    from trainer.health import start_monitor
     from trainer.loop import Trainer
     from trainer.metrics import RUN_FILE, Reporter
     from trainer.model import GPT
@@ -122,6 +123,15 @@ def train(
     resume_from, resume_note = find_resume_point(config.checkpoint, output_dir)
     distributed.start(topology, config.distributed.timeout_s)
     clean = False
+    on_gpu = topology.device.startswith("cuda")
+    health = start_monitor(
+        config.health,
+        rank=topology.rank,
+        local_rank=topology.local_rank,
+        cuda_device=topology.local_rank if on_gpu else None,
+        host=topology.hostname,
+        say=reporter.info,
+    )
     try:
         if topology.is_main:
             output_dir.mkdir(parents=True, exist_ok=True)
@@ -201,13 +211,17 @@ def train(
             checkpoints=checkpoints,
             reporter=reporter,
             resume_from=resume_from,
-            hooks=tuple(hooks or ()),
+            hooks=(*(hooks or ()), *health.step_hooks(on_gpu=on_gpu)),
         )
         code = trainer.train()
         clean = True  # every rank got here with the same code: leaving together is safe
         return code
-    except Exception:
+    except Exception as error:
+        # A CUDA error in the step, or any error after this rank's GPU faulted: exit 75, not 1.
+        if (code := health.exit_code_for(error, on_gpu=on_gpu)) is not None:
+            return code
         print(f"trainer: rank {topology.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return exitcodes.FAILURE
     finally:
+        health.stop()
         distributed.shutdown(clean)
