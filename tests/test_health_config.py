@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from trainer.config import load_config
 from trainer.configerror import ConfigError
@@ -85,3 +86,12 @@ def test_delivery_budget_bounds_every_attempt_timing_out():
     config = HealthConfig(webhook_timeout_s=2, webhook_retries=2)
     # 3 attempts x 2 s + backoffs 0.5 s + 1 s
     assert config.delivery_budget_s() == pytest.approx(7.5)
+
+
+def test_only_an_explicit_request_keeps_the_url_and_a_redacted_copy_is_refused(tmp_path):
+    config = load_config(None, [f"health.webhook_url=https://hooks.example.invalid/{SECRET}"])
+    assert config.to_dict(secrets=True)["health"]["webhook_url"].endswith(SECRET)
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(yaml.safe_dump(config.to_dict()))
+    with pytest.raises(ConfigError, match=r"health.webhook_url: is the placeholder '<redacted>'"):
+        load_config(copy, [])

@@ -81,9 +81,12 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         require(bool(self.output_dir.strip()), "output_dir", "must not be empty")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
+        """Plain data. The webhook URL is a secret: redacted unless `secrets` (only for a config file
+        that a node trains with, e.g. the launcher's config.yaml; never for run.json or printing)."""
         data = dataclasses.asdict(self)
-        data["health"] = self.health.to_public_dict()  # the webhook URL is a secret: not in run.json
+        if not secrets:
+            data["health"] = self.health.to_public_dict()
         return data
 
 

@@ -123,6 +123,12 @@ def _check_url(url: Any) -> None:
         raise ConfigError(key, "must be a string (an http:// or https:// URL, or '' for no webhook)")
     if not url:
         return
+    if url == REDACTED:
+        raise ConfigError(
+            key,
+            f"is the placeholder {REDACTED!r} from a copy of the config with the secret removed "
+            "(run.json, a printed config); set the real URL",
+        )
     # Never echo the URL itself in an error: it carries the webhook's token.
     try:
         parts = urlsplit(url)
