@@ -184,3 +184,25 @@ def test_a_loop_stuck_after_a_fault_is_ended_by_the_monitor_with_75(tmp_path):
     assert lines == [
         "GPU_FAULT host=stuck rank=0 gpu=0 uuid=GPU-test-stuck-0 metric=ecc_uncorrectable value=1"
     ]
+
+
+def test_errors_escaping_the_loop_map_to_75_only_when_they_are_gpu_faults(tmp_path, capsys):
+    source = fault_file(tmp_path)  # healthy readings
+    config = HealthConfig(fault_source=source, poll_interval_s=0.05)
+    cuda = RuntimeError("CUDA error: uncorrectable ECC error encountered")
+    # On a CPU rank, even a CUDA-looking error is an ordinary failure: no GPU of ours broke.
+    cpu_rank = start_monitor(config, rank=0, local_rank=0, cuda_device=None, host="h", say=lambda m: None)
+    assert cpu_rank.exit_code_for(cuda, on_gpu=False) is None
+    assert cpu_rank.exit_code_for(ValueError("bad batch"), on_gpu=False) is None
+    cpu_rank.stop()
+    # On a GPU rank the CUDA error opens the circuit: 75 and the one line.
+    gpu_rank = start_monitor(config, rank=2, local_rank=0, cuda_device=None, host="h", say=lambda m: None)
+    gpu_rank.check(9)
+    assert gpu_rank.exit_code_for(cuda, on_gpu=True) == 75
+    # Once open, any later error (e.g. the collective failing on the broken GPU) is the same fault.
+    assert gpu_rank.exit_code_for(RuntimeError("Connection reset by peer"), on_gpu=True) == 75
+    assert gpu_rank.fault.metric == "cuda_error" and gpu_rank.fault.step == 10
+    assert capsys.readouterr().err == (
+        "GPU_FAULT host=h rank=2 gpu=0 uuid=GPU-test-h-0 metric=cuda_error "
+        "value=CUDA_error:_uncorrectable_ECC_error_encountered\n"
+    )
