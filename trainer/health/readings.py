@@ -144,8 +144,11 @@ def _nvml_handle_for_cuda_device(pynvml: Any, cuda_index: int) -> tuple[Any, int
     except Exception:  # torch without CUDA, or an old torch without `.uuid`: fall back to the env var
         uuid = None
     if uuid:
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-        return handle, pynvml.nvmlDeviceGetIndex(handle)
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            return handle, pynvml.nvmlDeviceGetIndex(handle)
+        except pynvml.NVMLError:  # e.g. a MIG slice, whose UUID NVML spells differently
+            pass
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if visible and cuda_index < len(visible):
         entry = visible[cuda_index]
