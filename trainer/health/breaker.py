@@ -62,10 +62,13 @@ class CircuitBreaker:
                 self.fault = fault
             return self.fault
 
-    def cuda_error_fault(self, reading: GpuReading | None, error: BaseException, *, step: int) -> Fault:
+    def error_fault(
+        self, reading: GpuReading | None, error: BaseException, *, step: int, metric: str = "cuda_error"
+    ) -> Fault:
+        """A fault from an error (a CUDA error in the step, NVML losing the GPU); value = its first line."""
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         reading = reading or GpuReading(index=self._local_rank, uuid="unknown", name="unknown")
-        return self._fault(reading, "cuda_error", message, "no CUDA error", step)
+        return self._fault(reading, metric, message, "no error", step)
 
     def _fault(self, reading: GpuReading, metric: str, value: Any, threshold: Any, step: int) -> Fault:
         return Fault(

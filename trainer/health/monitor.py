@@ -91,6 +91,7 @@ class HealthMonitor:
         self._report_lock = threading.Lock()
         self._reported = False
         self._notified = False
+        self._read_failed = False
         self._thread: threading.Thread | None = None
 
     @property
@@ -143,7 +144,7 @@ class HealthMonitor:
 
     def cuda_error(self, error: BaseException, *, step: int) -> GpuFaultError:
         """Turn a CUDA error from the training step into a fault (opens the circuit, sends the event)."""
-        fault = self._breaker.trip(self._breaker.cuda_error_fault(self._last_reading, error, step=step))
+        fault = self._breaker.trip(self._breaker.error_fault(self._last_reading, error, step=step))
         self._notify(fault)
         return GpuFaultError(fault)
 
@@ -183,10 +184,12 @@ class HealthMonitor:
         try:
             reading = source.read()
         except Exception as exc:
-            if type(exc).__name__ == "NVMLError_GPUIsLost":
-                reading = self._last_reading or GpuReading(self.local_rank, "unknown", "unknown")
-                return self._breaker.trip(self._breaker.cuda_error_fault(reading, exc, step=self.step))
-            log.warning("GPU health reading failed (will retry): %s", exc)
+            if type(exc).__name__ == "NVMLError_GPUIsLost":  # the board fell off the bus
+                fault = self._breaker.error_fault(self._last_reading, exc, step=self.step, metric="gpu_lost")
+                return self._breaker.trip(fault)
+            if not self._read_failed:  # once: a GPU that cannot be read every 5 s must not flood the log
+                log.warning("GPU health reading failed (will keep trying): %s", exc)
+                self._read_failed = True
             return None
         self._last_reading = reading
         return self._breaker.evaluate(reading, step=self.step)
