@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from trainer.health.config import HealthConfig
 from trainer.loop import TrainConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 @dataclass(kw_only=True)
@@ -114,6 +116,9 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
             except ConfigError:
                 pass
         raise ConfigError(key, f"must be {_type_name(tp)} (got {type(value).__name__} {value!r})")
+    if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        # YAML 1.1 reads `3e-4` (no dot) as a string; it is the way people write learning rates.
+        return float(value)
     ok = {
         type(None): value is None,
         bool: isinstance(value, bool),

@@ -65,11 +65,7 @@ class TrainConfig:
             "min_lr",
             f"must be between 0 and train.learning_rate={self.learning_rate} (got {self.min_lr})",
         )
-        require(
-            0 <= self.warmup_steps < self.max_steps,
-            "warmup_steps",
-            f"must be 0 or more and less than train.max_steps={self.max_steps} (got {self.warmup_steps})",
-        )
+        require(self.warmup_steps >= 0, "warmup_steps", f"must be 0 or more (got {self.warmup_steps})")
         require(self.weight_decay >= 0, "weight_decay", f"must be 0 or more (got {self.weight_decay})")
         require(self.grad_clip >= 0, "grad_clip", f"must be 0 (off) or more (got {self.grad_clip})")
 

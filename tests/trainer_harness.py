@@ -1,0 +1,154 @@
+"""Helpers for trainer tests: real `trainer train` runs under real launchers, on the CPU, on loopback.
+
+Imported by the trainer tests (`from trainer_harness import ...`); the fixture is in conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+TRAINER = str(BIN / "trainer")
+#: Short runs of the tiny model: enough steps for the loss to fall, few enough to stay quick.
+QUICK = [
+    "train.max_steps=20",
+    "train.log_every=5",
+    "train.micro_batch_size=8",
+    "checkpoint.save_steps=10",
+]
+#: DeepSpeed's first start on a machine compiles a small op (about a minute) before it trains.
+TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def sets(*pairs: str) -> list[str]:
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+@dataclass
+class Run:
+    output_dir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self, name: str) -> dict:
+        return json.loads((self.output_dir / name).read_text())
+
+    @property
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines()]
+
+    @property
+    def summary(self) -> dict:
+        return self.json("summary.json")
+
+
+def launch_command(launcher: str, nproc: int, port: int, trainer_args: list[str]) -> list[str]:
+    if launcher == "none":
+        return [TRAINER, "train", *trainer_args]
+    if launcher == "accelerate":
+        return [
+            str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(port), TRAINER, "train", *trainer_args,
+        ]  # fmt: skip
+    return [
+        str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+        "--master_port", str(port), TRAINER, "train", *trainer_args,
+    ]  # fmt: skip
+
+
+def start_run(
+    output_dir: Path,
+    overrides: list[str],
+    *,
+    launcher: str = "torchrun",
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.Popen:
+    """Start a training job in its own process group (so a test can kill the launcher and all workers)."""
+    command = launch_command(launcher, nproc, free_port(), sets(f"output_dir={output_dir}", *overrides))
+    # Output goes to files, not pipes: a test that polls the output dir never blocks a full pipe.
+    logs = _log_paths(output_dir)
+    with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:
+        return subprocess.Popen(
+            command,
+            cwd=cwd or output_dir.parent,
+            env=trainer_env(env),
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
+
+
+def _log_paths(output_dir: Path) -> tuple[Path, Path]:
+    return output_dir.with_name(output_dir.name + ".stdout"), output_dir.with_name(
+        output_dir.name + ".stderr"
+    )
+
+
+def kill_job(process: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every worker (they share the process group start_run made)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+
+
+def finish(process: subprocess.Popen, output_dir: Path) -> Run:
+    try:
+        process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_job(process)
+        raise
+    stdout, stderr = (path.read_text() for path in _log_paths(output_dir))
+    return Run(output_dir, process.returncode, stdout, stderr)
+
+
+def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    env.update(PYTHONUNBUFFERED="1", **(extra or {}))
+    return env
+
+
+def assert_trained(run: Run, *, world_size: int, engine: str, max_steps: int = 20) -> None:
+    """What a user checks after a run: it succeeded, the loss fell, the ranks agree, files are there."""
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    metrics = run.metrics
+    assert [m["step"] for m in metrics][-1] == max_steps
+    assert all(
+        m["world_size"] == world_size and m["tokens_per_s"] > 0 and m["step_time_s"] > 0 for m in metrics
+    )
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3, [m["loss"] for m in metrics]
+    summary = run.summary
+    assert summary["engine"] == engine and summary["world_size"] == world_size
+    assert summary["final_step"] == max_steps
+    assert len(summary["param_checksums"]) == world_size
+    assert len(set(summary["param_checksums"])) == 1, "ranks ended with different parameters"
+    latest = (run.output_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{max_steps}"
+    assert (run.output_dir / "checkpoints" / latest / "trainer_state.json").is_file()
+    step_lines = [line for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert step_lines and step_lines[-1].startswith(f"step {max_steps}/{max_steps} loss ")
+    if not summary["resumed_from"]:
+        assert len(step_lines) == len(metrics), "only rank 0 prints step lines"
+    run_json = run.json("run.json")
+    assert run_json["topology"]["world_size"] == world_size
+    assert len(run_json["topology"]["ranks"]) == world_size
