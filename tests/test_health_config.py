@@ -95,3 +95,12 @@ def test_only_an_explicit_request_keeps_the_url_and_a_redacted_copy_is_refused(t
     copy.write_text(yaml.safe_dump(config.to_dict()))
     with pytest.raises(ConfigError, match=r"health.webhook_url: is the placeholder '<redacted>'"):
         load_config(copy, [])
+
+
+def test_overrides_shown_to_a_user_hide_the_webhook_url():
+    from trainer.health.config import redact_override
+
+    assert redact_override(f"health.webhook_url=https://h.example.invalid/{SECRET}") == (
+        "health.webhook_url=<redacted>"
+    )
+    assert redact_override("train.max_steps=5") == "train.max_steps=5"

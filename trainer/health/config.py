@@ -117,6 +117,15 @@ class HealthConfig:
         return (self.webhook_retries + 1) * self.webhook_timeout_s + backoff_total_s(self.webhook_retries)
 
 
+SECRET_KEYS = ("health.webhook_url",)
+
+
+def redact_override(item: str) -> str:
+    """`--set KEY=VALUE` as it may be shown or logged: the value of a secret key is replaced."""
+    key, sep, _ = item.partition("=")
+    return f"{key}={REDACTED}" if sep and key.strip() in SECRET_KEYS else item
+
+
 def _check_url(url: Any) -> None:
     key = "webhook_url"
     if not isinstance(url, str):
