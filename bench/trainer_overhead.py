@@ -1,0 +1,133 @@
+"""How much does `trainer train` cost over a minimal hand-written DDP loop? (goal: ratio >= 0.97)
+
+Both train the same tiny GPT on the same bundled text with the same batch on 2 processes under
+torchrun (gloo on the CPU). Throughput is steady-state tokens/s: the first 10 steps (start-up, first
+allocations) and checkpoint writes are left out of both. The two are run alternately, several rounds,
+in this one invocation, and the medians compared, because the machine may be shared.
+
+    python bench/trainer_overhead.py [--rounds 3] [--steps 60]
+
+The same file is the baseline worker (`--worker`, started by torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+MICRO_BATCH, BLOCK, WARMUP_STEPS, LOG_EVERY = 16, 64, 10, 10
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+    command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), *args]
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        sys.exit(f"failed: {' '.join(command)}\n{done.stderr[-3000:]}")
+    return done
+
+
+def trainer_tokens_per_s(steps: int, workdir: str) -> float:
+    out = Path(workdir) / "trainer-out"
+    overrides = [
+        f"output_dir={out}", f"train.max_steps={steps}", f"train.micro_batch_size={MICRO_BATCH}",
+        f"data.block_size={BLOCK}", f"train.log_every={LOG_EVERY}", "checkpoint.save_steps=0",
+        "checkpoint.resume=never", "distributed.engine=ddp",
+    ]  # fmt: skip
+    torchrun([str(BIN / "trainer"), "train", *[a for o in overrides for a in ("--set", o)]], workdir)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in records if r["step"] > WARMUP_STEPS]
+    # Each record's rate covers LOG_EVERY steps of equal token count: the overall rate is their harmonic mean.
+    return len(steady) / sum(1 / r["tokens_per_s"] for r in steady)
+
+
+def baseline_tokens_per_s(steps: int, workdir: str) -> float:
+    done = torchrun([__file__, "--worker", "--steps", str(steps)], workdir)
+    return json.loads(done.stdout.strip().splitlines()[-1])["tokens_per_s"]
+
+
+def worker(steps: int) -> None:
+    """The minimal loop: DDP, AdamW, random windows of the same text; nothing else."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainer.config import ModelConfig
+    from trainer.data import DataConfig, load_corpus
+    from trainer.model import GPT
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus = load_corpus(DataConfig(block_size=BLOCK))
+    torch.manual_seed(1337)
+    model = DistributedDataParallel(GPT(ModelConfig(), vocab_size=len(corpus.vocab), block_size=BLOCK))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    torch.manual_seed(1337 + rank)
+    window = torch.arange(BLOCK + 1)
+    started = 0.0
+    for step in range(1, steps + 1):
+        if step == WARMUP_STEPS + 1:
+            started = time.perf_counter()
+        starts = torch.randint(len(corpus.ids) - BLOCK - 1, (MICRO_BATCH,))
+        chunk = corpus.ids[starts[:, None] + window]
+        loss = model(chunk[:, :-1], chunk[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % LOG_EVERY == 0:
+            loss.item()
+    elapsed = time.perf_counter() - started
+    tokens = (steps - WARMUP_STEPS) * MICRO_BATCH * BLOCK * world
+    if rank == 0:
+        print(json.dumps({"tokens_per_s": tokens / elapsed}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.steps)
+        return 0
+    os.environ.pop("RANK", None)
+    trainer_rates, baseline_rates = [], []
+    with tempfile.TemporaryDirectory(prefix="trainer-bench-") as workdir:
+        for round_number in range(1, args.rounds + 1):
+            baseline_rates.append(baseline_tokens_per_s(args.steps, workdir))
+            trainer_rates.append(trainer_tokens_per_s(args.steps, workdir))
+            print(
+                f"round {round_number}: hand-written DDP {baseline_rates[-1]:,.0f} tok/s, "
+                f"trainer train {trainer_rates[-1]:,.0f} tok/s",
+                flush=True,
+            )
+    trainer_median, baseline_median = statistics.median(trainer_rates), statistics.median(baseline_rates)
+    ratio = trainer_median / baseline_median
+    print(
+        f"throughput ratio trainer/hand-written = {ratio:.3f} "
+        f"(medians {trainer_median:,.0f} / {baseline_median:,.0f} tok/s, 2 processes, "
+        f"micro batch {MICRO_BATCH} x {BLOCK} chars; goal >= 0.97)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
