@@ -1,0 +1,171 @@
+"""`trainer launch` through ansible-runner on this machine: two loopback "hosts" (ansible_connection
+local) with node ranks 0 and 1, one process each, gloo. Real torchrun, real trainer, real playbooks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+VENV = REPO / ".venv"
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def loopback_cluster(tmp_path) -> tuple[Path, Path]:
+    """(inventory, shared dir) for two local hosts, node0 (head) and node1 (worker)."""
+    local = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+        "cluster_ip": "127.0.0.1",
+        "cluster_accelerators": 0,
+        "cluster_accelerator_model": "cpu",
+    }
+    inventory = tmp_path / "inventory"
+    (inventory / "group_vars" / "cluster").mkdir(parents=True)
+    hosts = {
+        "cluster": {"children": {"head": {"hosts": {"node0": local}}, "workers": {"hosts": {"node1": local}}}}
+    }
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    shared = tmp_path / "shared"
+    settings = {
+        "cluster_training_user": subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip(),
+        "cluster_master_port": free_port(),
+        "cluster_nccl_socket_ifname": "auto",
+        "cluster_nccl_ib_disable": 1,
+        "cluster_nccl_debug": "WARN",
+        "cluster_nccl_timeout_s": 120,
+        "cluster_shared_dir": str(shared),
+        "cluster_data_path": "",
+        "training_venv": str(VENV),
+        "training_procs_per_node": 1,
+        "training_engine": "ddp",
+        "training_config": "",
+    }
+    (inventory / "group_vars" / "cluster" / "all.yml").write_text(yaml.safe_dump(settings))
+    return inventory, shared
+
+
+def launch_command(inventory: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "trainer", "launch", "-i", str(inventory), "--poll-interval", "1", *extra]
+
+
+TINY = ["--set", "train.warmup_steps=1", "--set", "train.log_every=2", "--set", "checkpoint.save_steps=3"]
+
+
+def test_two_node_loopback_launch_trains_and_writes_outputs(loopback_cluster):
+    inventory, shared = loopback_cluster
+    done = subprocess.run(
+        launch_command(inventory, "--run-name", "two", "--set", "train.max_steps=6", *TINY),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "step 6/6" in out, "rank 0's log lines are shown"
+    assert "[node1] node 1: done" in out and "[node0] node 0: done" in out
+    run = shared / "runs" / "two"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == 6 and metrics[-1]["world_size"] == 2
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-6"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and len(set(map(str, summary["param_checksums"]))) == 1
+    launch = run / "launch"
+    assert (launch / "hostfile").read_text() == "127.0.0.1 slots=1\n127.0.0.1 slots=1\n"
+    assert yaml.safe_load((launch / "accelerate-node1.yaml").read_text())["machine_rank"] == 1
+    assert json.loads((launch / "deepspeed.json").read_text())["train_batch_size"] == 2 * summary.get(
+        "micro_batch_size", yaml.safe_load((launch / "config.yaml").read_text())["train"]["micro_batch_size"]
+    )
+    node1 = (launch / "node-1" / "run.sh").read_text()
+    assert "export NODE_RANK=1" in node1 and "export NCCL_SOCKET_IFNAME==lo" in node1
+
+
+def _trainer_pids(node_dir: Path) -> list[int]:
+    """The node's `trainer train` worker processes (found by the launch's tag, as a stop finds them)."""
+    listed = subprocess.run(
+        [str(VENV / "bin" / "python"), str(node_dir / "node_ctl.py"), str(node_dir), "pids"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pids = []
+    for pid in json.loads(listed.stdout)["pids"]:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(b"bin/trainer") for arg in cmdline[:2]) and b"torchrun" not in cmdline[1]:
+            pids.append(pid)
+    return pids
+
+
+def test_a_killed_rank_stops_the_other_host_and_is_named_then_relaunch_resumes(loopback_cluster):
+    inventory, shared = loopback_cluster
+    run = shared / "runs" / "kill"
+    launcher = subprocess.Popen(
+        launch_command(inventory, "--run-name", "kill", "--set", "train.max_steps=400", *TINY),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "latest").exists():
+            assert launcher.poll() is None, launcher.stdout.read()
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.5)
+        victims = _trainer_pids(run / "launch" / "node-1")
+        assert victims, "node1's trainer process is running"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, _ = launcher.communicate(timeout=120)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1, out
+    assert "first failure on host node1 (node 1, rank 1)" in out, out
+    assert stopped_after < 60, f"the launcher took {stopped_after:.0f} s to stop everything"
+    assert _trainer_pids(run / "launch" / "node-0") == [], "node0's trainer was stopped"
+    assert _trainer_pids(run / "launch" / "node-1") == []
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    finish_at = int(latest.removeprefix("step-")) + 2
+
+    done = subprocess.run(
+        launch_command(inventory, "--run-name", "kill", "--set", f"train.max_steps={finish_at}", *TINY),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_step"] == finish_at
+    assert latest in str(summary["resumed_from"]), "the relaunch resumed from the latest checkpoint"
+
+
+def test_config_errors_are_refused_before_anything_starts(loopback_cluster):
+    inventory, shared = loopback_cluster
+    done = subprocess.run(
+        launch_command(inventory, "--set", "train.max_stepz=3"), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert "train.max_stepz" in done.stderr
+    assert not shared.exists(), "nothing was written"
