@@ -129,8 +129,9 @@ def test_a_down_or_slow_webhook_does_not_hold_the_run_up(tmp_path, server_kind):
     fault_seen = next(t for t, text in lines if "faulted: temperature_c=95" in text)
     after_fault = total - fault_seen
     print(f"{server_kind} webhook: exit {after_fault:.1f}s after the fault, run {total:.1f}s")
-    # Budget 2.5 s plus process teardown (seconds on a loaded 2-core machine); a hang would be 60 s.
-    assert after_fault < 2.5 + 15, f"exit {after_fault:.0f}s after the fault with a {server_kind} webhook"
+    # Delivery budget 2.5 s, then the loop's next check and process teardown: ~4 s here, up to ~10 s
+    # when the 2 cores are shared with other jobs. Waiting on the slow server would take 60 s.
+    assert after_fault < 30, f"exit {after_fault:.0f}s after the fault with a {server_kind} webhook"
 
 
 @pytest.mark.slow
