@@ -169,3 +169,31 @@ def test_config_errors_are_refused_before_anything_starts(loopback_cluster):
     assert done.returncode == 2
     assert "train.max_stepz" in done.stderr
     assert not shared.exists(), "nothing was written"
+
+
+def test_a_gpu_fault_names_the_host_and_gpu_and_exits_75(loopback_cluster, tmp_path):
+    inventory, shared = loopback_cluster
+    # The trainer's documented test hook: on the CPU each rank plays the GPU of its LOCAL_RANK.
+    faults = tmp_path / "faults.jsonl"
+    faults.write_text(
+        json.dumps({"step": 3, "gpu": 0, "rank": 1, "metrics": {"ecc_uncorrectable": 3}}) + "\n"
+    )
+    done = subprocess.run(
+        launch_command(
+            inventory,
+            "--run-name",
+            "fault",
+            "--set",
+            "train.max_steps=200",
+            "--set",
+            f"health.fault_source=file:{faults}",
+            *TINY,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 75, out
+    assert "GPU_FAULT on node1 (node 1" in out and "GPU 0" in out and "ecc_uncorrectable=3" in out, out
+    assert _trainer_pids(shared / "runs" / "fault" / "launch" / "node-0") == []

@@ -52,8 +52,9 @@ def launch_files(plan: JobPlan) -> dict[str, str]:
         "steps_per_print": train.get("log_every", 10),
     }
     files = {
+        # With its secrets (the webhook URL): node_ctl.py writes it readable by the training user only.
         "config.yaml": "# The resolved trainer config every node of this run trains with.\n"
-        + yaml.safe_dump(cfg, sort_keys=False),
+        + yaml.safe_dump(plan.node_config, sort_keys=False),
         "deepspeed.json": json.dumps(deepspeed, indent=2) + "\n",
         "hostfile": "".join(f"{n.address} slots={topo.gpus_per_node}\n" for n in topo.nodes),
     }
@@ -122,6 +123,7 @@ class Launcher:
                 for n in topo.nodes
             },
             "launch_files": launch_files(plan),
+            "launch_has_secrets": plan.has_secrets,
             "launch_become_hosts": self.become,
             "launch_poll_delay": self.poll_interval_s,
             "launch_poll_retries": 10**7,
@@ -129,8 +131,11 @@ class Launcher:
         }
 
     def _run(self, playbook: str, **kwargs: Any) -> PlaybookResult:
+        extravars = self.extravars()
+        if playbook != "start.yml":
+            extravars["launch_files"] = {}
         return run_playbook(
-            PLAYBOOKS / playbook, self.plan.topology.inventory, self.extravars(), env=self.env, **kwargs
+            PLAYBOOKS / playbook, self.plan.topology.inventory, extravars, env=self.env, **kwargs
         )
 
     def stop(self, monitor: JobMonitor | None = None) -> PlaybookResult:
@@ -222,8 +227,9 @@ class Launcher:
         if fault is not None:
             hs, info = fault
             view.message(
-                f"[red]GPU_FAULT[/red] on host {info['host']} GPU {info['gpu']} (uuid {info['uuid']}, rank "
-                f"{info['rank']}): {info['metric']}={info['value']}. The node's hardware needs attention; "
+                f"[red]GPU_FAULT[/red] on {hs.host} (node {hs.node_rank}, hostname {info['host']}): GPU "
+                f"{info['gpu']} (uuid {info['uuid']}) of rank {info['rank']} tripped the health check, "
+                f"{info['metric']}={info['value']}. Take the node out or fix its GPU before relaunching; "
                 f"the trainer was stopped on every host{stopped_in}."
             )
             self._last_lines(hs.host, monitor, view)

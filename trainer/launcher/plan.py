@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from trainer import exitcodes
+from trainer.health.config import redact_override
 from trainer.inventory import Cluster, InventoryError, load_cluster
 from trainer.launcher.topology import AUTO_IFNAME, Node, Topology, TopologyError, build_topology
 
@@ -42,7 +43,13 @@ class JobPlan:
     overrides: tuple[str, ...]
     """The `--set` list applied to the config, launcher-derived ones first, the user's last."""
     config: dict[str, Any] = field(repr=False)
-    """The resolved trainer config (what every node trains with)."""
+    """The resolved trainer config, secrets redacted (for showing)."""
+    node_config: dict[str, Any] = field(repr=False)
+    """The same with its secrets (the webhook URL): what every node trains with. Never printed."""
+
+    @property
+    def has_secrets(self) -> bool:
+        return self.node_config != self.config
 
     @property
     def output_dir(self) -> str:
@@ -99,7 +106,7 @@ class JobPlan:
             "training_venv": self.training_venv,
             "training_user": self.training_user,
             "config_source": self.config_source,
-            "overrides": list(self.overrides),
+            "overrides": [redact_override(o) for o in self.overrides],
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "effective_batch_size": self.effective_batch_size,
@@ -184,19 +191,20 @@ def make_plan(
     from trainer.configerror import ConfigError
 
     try:
-        resolved = load_config(config_path, final).to_dict()
+        loaded = load_config(config_path, final)
     except ConfigError as err:
         raise PlanError(f"trainer config: {err}") from None
     return JobPlan(
         topology=topology,
         run_name=run_name,
-        engine=str(resolved["distributed"]["engine"]),
+        engine=str(loaded.distributed.engine),
         shared_dir=shared_dir,
         training_venv=venv,
         training_user=str(cluster.head.get("cluster_training_user") or ""),
         config_source=str(config_path) if config_path else "embedded default",
         overrides=tuple(final),
-        config=resolved,
+        config=loaded.to_dict(),
+        node_config=loaded.to_dict(secrets=True),
     )
 
 

@@ -173,7 +173,11 @@ def prepare(node_dir: Path, payload: dict) -> dict:
     for name, text in sorted((payload.get("files") or {}).items()):
         target = launch_dir / name
         tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(text)
+        tmp.unlink(missing_ok=True)
+        # config.yaml may hold a secret (the webhook URL): only the training user reads it.
+        mode = 0o600 if name == "config.yaml" else 0o644
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as handle:
+            handle.write(text)
         tmp.replace(target)
         written.append(name)
     return {"state": "prepared", "written": written}
