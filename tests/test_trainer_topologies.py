@@ -9,6 +9,7 @@ import pytest
 from trainer_harness import BIN, QUICK, TIMEOUT_S, TRAINER, Run, assert_trained, free_port, sets, trainer_env
 
 
+@pytest.mark.slow
 def test_single_process_without_launcher_json_lines_oversubscribed_and_rotated(run_trainer, tmp_path):
     data = tmp_path / "notes.jsonl"
     lines = [json.dumps({"text": f"note {i}: the cat sat on the mat. " * 3}) for i in range(7)]

@@ -18,6 +18,7 @@ torch is imported inside functions: this module's config is loaded on the contro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -101,6 +102,36 @@ def find_resume_point(config: CheckpointConfig, output_dir: str | Path) -> tuple
 
 def read_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / STATE_FILE).read_text())
+
+
+def resume_fingerprint(config: Any) -> dict[str, Any]:
+    """What a checkpoint must share with the config that resumes it (saved in trainer_state.json)."""
+    return {
+        "model": dataclasses.asdict(config.model),
+        "block_size": config.data.block_size,
+        "engine": config.distributed.engine,
+    }
+
+
+def check_resumable(checkpoint: Path, config: Any, *, world_size: int) -> None:
+    """ConfigError (before training starts) if this config cannot continue from checkpoint."""
+    state = read_state(checkpoint)
+    saved = state.get("fingerprint", {})
+    fix = (
+        "use the settings it was written with, or checkpoint.resume=never or another output_dir to start over"
+    )
+    for key, value in resume_fingerprint(config).items():
+        if key in saved and saved[key] != value:
+            raise ConfigError(
+                "checkpoint.resume",
+                f"{checkpoint} was written with {key} = {saved[key]}, this config has {value}; {fix}",
+            )
+    if saved.get("engine") == "deepspeed" and state.get("world_size") != world_size:
+        raise ConfigError(
+            "checkpoint.resume",
+            f"{checkpoint} holds DeepSpeed ZeRO shards for {state.get('world_size')} processes, this run has "
+            f"{world_size}; {fix}",
+        )
 
 
 def rng_state() -> dict[str, Any]:

@@ -48,7 +48,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
     log_every: int = 10
-    """Print a step line and write a metrics.jsonl record every this many steps (and at the last)."""
+    """Print a step line and write a metrics.jsonl record every this many steps (and at the first, last)."""
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
     """bf16 autocast: auto = on GPUs that support bf16, off on the CPU; bf16 = always; no = never."""
     compile: bool = False
@@ -102,6 +102,11 @@ class Trainer:
     def train(self) -> int:
         train = self.config.train
         start = self._resume()
+        if start >= train.max_steps:
+            self.reporter.info(
+                f"already trained to step {start} ({self.resume_from}): nothing to do. Raise train.max_steps "
+                "to train further, or set checkpoint.resume=never (or another output_dir) to start over"
+            )
         self.reporter.start(first_step=start + 1, resumed_step=start)
         tokens_per_step = (
             train.micro_batch_size
@@ -133,7 +138,9 @@ class Trainer:
                     return code
                 self.reporter.advance(step)
                 last = step == train.max_steps
-                if step % train.log_every == 0 or last:
+                # Step 1 is logged too: the user sees the starting loss, the launcher a first line, at once.
+                logged = step % train.log_every == 0 or last or step == 1
+                if logged:
                     loss = self._global_loss(local_loss)
                     elapsed = time.perf_counter() - interval_start
                     self.reporter.log_step(
@@ -150,7 +157,7 @@ class Trainer:
                 if last or (
                     self.config.checkpoint.save_steps and step % self.config.checkpoint.save_steps == 0
                 ):
-                    if step % train.log_every and not last:
+                    if not logged:
                         loss = self._global_loss(local_loss)
                     self._save(step, loss)
                     interval_start = time.perf_counter()  # checkpoint time is not training throughput
@@ -203,6 +210,8 @@ class Trainer:
         return int(state["step"])
 
     def _save(self, step: int, loss: float) -> None:
+        from trainer.checkpoint import resume_fingerprint
+
         accumulation = self.config.train.gradient_accumulation_steps
         state = {
             "step": step,
@@ -212,6 +221,7 @@ class Trainer:
             "world_size": self.topology.world_size,
             "engine": self.engine.name,
             "seed": self.config.train.seed,
+            "fingerprint": resume_fingerprint(self.config),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         path = self.checkpoints.save(step, self.engine.save, state)

@@ -108,7 +108,7 @@ def train(
     import torch
 
     from trainer import distributed
-    from trainer.checkpoint import CheckpointWriter, find_resume_point
+    from trainer.checkpoint import CheckpointWriter, check_resumable, find_resume_point
     from trainer.config import dump_config
     from trainer.data import ShardedBatches
     from trainer.engines import create_engine
@@ -121,6 +121,8 @@ def train(
     output_dir = Path(config.output_dir)
     reporter = Reporter(output_dir, enabled=topology.is_main, max_steps=config.train.max_steps)
     resume_from, resume_note = find_resume_point(config.checkpoint, output_dir)
+    if resume_from is not None:
+        check_resumable(resume_from, config, world_size=topology.world_size)
     distributed.start(topology, config.distributed.timeout_s)
     clean = False
     on_gpu = topology.device.startswith("cuda")
