@@ -40,7 +40,12 @@ def loopback_cluster(tmp_path) -> tuple[Path, Path]:
     inventory = tmp_path / "inventory"
     (inventory / "group_vars" / "cluster").mkdir(parents=True)
     hosts = {
-        "cluster": {"children": {"head": {"hosts": {"node0": local}}, "workers": {"hosts": {"node1": local}}}}
+        "cluster": {
+            "children": {
+                "head": {"hosts": {"node0": dict(local)}},
+                "workers": {"hosts": {"node1": dict(local)}},
+            }
+        }
     }
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
     shared = tmp_path / "shared"
@@ -197,3 +202,17 @@ def test_a_gpu_fault_names_the_host_and_gpu_and_exits_75(loopback_cluster, tmp_p
     assert done.returncode == 75, out
     assert "GPU_FAULT on node1 (node 1" in out and "GPU 0" in out and "ecc_uncorrectable=3" in out, out
     assert _trainer_pids(shared / "runs" / "fault" / "launch" / "node-0") == []
+
+
+def test_a_node_without_the_trainer_stops_the_launch_before_any_node_starts(loopback_cluster):
+    inventory, shared = loopback_cluster
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    hosts["cluster"]["children"]["workers"]["hosts"]["node1"]["training_venv"] = "/nonexistent/venv"
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    done = subprocess.run(
+        launch_command(inventory, "--run-name", "novenv"), capture_output=True, text=True, timeout=300
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "could not start on node1" in out and "/nonexistent/venv" in out and "make provision" in out, out
+    assert not (shared / "runs" / "novenv" / "launch" / "node-0").exists(), "node0 did not start either"

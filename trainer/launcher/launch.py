@@ -32,7 +32,7 @@ from trainer.runner import PlaybookResult, run_playbook
 
 PLAYBOOKS = Path(__file__).parent / "playbooks"
 START_TASK = "Start the trainer in its own process group"
-BECOME_TASK = "Decide whether to become the training user"
+BECOME_TASK = "Remember the interface and whether to become the training user"
 STOP_TASK = "Stop the trainer's process group"
 INTERRUPTED = 130
 

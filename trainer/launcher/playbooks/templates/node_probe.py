@@ -1,0 +1,82 @@
+"""Everything `trainer launch` checks on a node before starting anything, in one run (JSON out).
+
+    python node_probe.py '{"venv": ..., "address": ..., "port": 0|N, "node_dir": ...}'
+
+Run with the training venv's python (so a missing venv shows as this command failing). One process
+instead of one Ansible task per check: on a busy machine each task costs seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def interface_of(address: str) -> str:
+    """The interface holding `address` ('' if none), from `ip -o addr show`."""
+    try:
+        listing = subprocess.run(
+            ["ip", "-o", "addr", "show"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    for line in listing.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[2] in ("inet", "inet6") and fields[3].split("/")[0] == address:
+            return fields[1].split("@")[0]
+    return ""
+
+
+def port_error(address: str, port: int) -> str:
+    """'' if `port` can be bound on `address` (the rendezvous can listen there), else why not."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((address, port))
+        except OSError as err:
+            return err.strerror or str(err)
+    return ""
+
+
+def previous_state(node_dir: Path) -> str:
+    """'running' if a trainer of this run's previous launch still runs on this node."""
+    try:
+        pid = int((node_dir / "pid").read_text())
+        launch_id = (node_dir / "launch-id").read_text().strip()
+    except (OSError, ValueError):
+        return "none"
+    if (node_dir / "exit").exists():
+        return "exited"
+    marker = f"CLUSTERTRAIN_LAUNCH_ID={launch_id}".encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (proc / "environ").read_bytes().split(b"\0"):
+                return "running"
+        except OSError:
+            continue
+    return "vanished" if pid else "none"
+
+
+def main() -> int:
+    request = json.loads(sys.argv[1])
+    venv = Path(request["venv"])
+    missing = [
+        name for name in ("python", "torchrun", "trainer") if not os.access(venv / "bin" / name, os.X_OK)
+    ]
+    result = {
+        "user": pwd.getpwuid(os.geteuid()).pw_name,
+        "venv_missing": missing,
+        "iface": interface_of(request["address"]) if request.get("iface_auto") else "",
+        "port_error": port_error(request["address"], int(request["port"])) if request.get("port") else "",
+        "previous": previous_state(Path(request["node_dir"])),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
