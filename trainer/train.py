@@ -31,6 +31,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one config value, e.g. --set train.max_steps=200 (repeatable; values are YAML)",
     )
+    # The `deepspeed` launcher appends --local_rank=N; the rank comes from the environment (LOCAL_RANK).
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--dry-run",
         action="store_true",
