@@ -60,7 +60,12 @@ def write_inventory(root: Path, hosts: dict, cluster_vars: dict, head: list[str]
     trap.chmod(0o755)
     port = iter(range(40001, 40100))
     entries = {
-        name: {"ansible_host": "127.0.0.1", "ansible_port": next(port), "ansible_ssh_executable": str(trap), **hv}
+        name: {
+            "ansible_host": "127.0.0.1",
+            "ansible_port": next(port),
+            "ansible_ssh_executable": str(trap),
+            **hv,
+        }
         for name, hv in hosts.items()
     }
     inventory = {
@@ -124,32 +129,84 @@ def _two_heads(hosts, cluster_vars, head, workers):
 BAD = [
     ("no-head", _no_head, "group 'head' must hold exactly one host", None),
     ("two-heads", _two_heads, "group 'head' must hold exactly one host", "found 2: node-a, node-b"),
-    ("duplicate-address", _host("node-c", "cluster_ip", "10.77.0.11"), "node-c: cluster_ip 10.77.0.11 is also", None),
-    ("unequal-accelerators", _host("node-b", "cluster_accelerators", 4), "node-b: cluster_accelerators is 4", "node-a has 8"),
+    (
+        "duplicate-address",
+        _host("node-c", "cluster_ip", "10.77.0.11"),
+        "node-c: cluster_ip 10.77.0.11 is also",
+        None,
+    ),
+    (
+        "unequal-accelerators",
+        _host("node-b", "cluster_accelerators", 4),
+        "node-b: cluster_accelerators is 4",
+        "node-a has 8",
+    ),
     ("world-subnet", _set("cluster_subnet", "0.0.0.0/0"), "cluster_subnet is 0.0.0.0/0", "whole world"),
     ("world-subnet-v6", _set("cluster_subnet", "::/0"), "cluster_subnet is ::/0", "whole world"),
     ("star-subnet", _set("cluster_subnet", "*"), "cluster_subnet is *", "whole world"),
     ("uid-below-1000", _set("cluster_training_uid", 999), "cluster_training_uid is 999", "1000 or above"),
     ("gid-below-1000", _set("cluster_training_gid", 100), "cluster_training_gid is 100", "1000 or above"),
-    ("uid-collision", _host("node-b", "cluster_training_uid", 2001), "cluster_training_uid differs between hosts", "node-b=2001"),
-    ("relative-shared-dir", _set("cluster_shared_dir", "output"), "cluster_shared_dir is 'output', not an absolute path", None),
+    (
+        "uid-collision",
+        _host("node-b", "cluster_training_uid", 2001),
+        "cluster_training_uid differs between hosts",
+        "node-b=2001",
+    ),
+    (
+        "relative-shared-dir",
+        _set("cluster_shared_dir", "output"),
+        "cluster_shared_dir is 'output', not an absolute path",
+        None,
+    ),
     ("relative-venv", _set("training_venv", "venv"), "training_venv is 'venv', not an absolute path", None),
     ("master-port-low", _set("cluster_master_port", 80), "cluster_master_port is 80", "1024 to 65535"),
     ("master-port-high", _set("cluster_master_port", 70000), "cluster_master_port is 70000", "1024 to 65535"),
-    ("comm-range-reversed", _set("cluster_comm_port_range", "29999:29400"), "cluster_comm_port_range is '29999:29400'", None),
+    (
+        "comm-range-reversed",
+        _set("cluster_comm_port_range", "29999:29400"),
+        "cluster_comm_port_range is '29999:29400'",
+        None,
+    ),
     ("zero-procs", _set("training_procs_per_node", 0), "training_procs_per_node is 0", "1 or more"),
-    ("more-procs-than-gpus", _set("training_procs_per_node", 16), "training_procs_per_node is 16 but the host has 8 GPUs", None),
-    ("bad-engine", _set("training_engine", "horovod"), "training_engine is 'horovod'", "ddp, deepspeed, accelerate"),
+    (
+        "more-procs-than-gpus",
+        _set("training_procs_per_node", 16),
+        "training_procs_per_node is 16 but the host has 8 GPUs",
+        None,
+    ),
+    (
+        "bad-engine",
+        _set("training_engine", "horovod"),
+        "training_engine is 'horovod'",
+        "ddp, deepspeed, accelerate",
+    ),
     ("bad-zero-stage", _set("training_zero_stage", 4), "training_zero_stage is 4", "0, 1, 2, 3"),
-    ("bad-nfs-backend", _set("nfs_server_backend", "samba"), "nfs_server_backend is 'samba'", "kernel, ganesha"),
+    (
+        "bad-nfs-backend",
+        _set("nfs_server_backend", "samba"),
+        "nfs_server_backend is 'samba'",
+        "kernel, ganesha",
+    ),
     ("missing-cluster-ip", _host("node-c", "cluster_ip", None), "host node-c: cluster_ip is not set", None),
-    ("address-outside-subnet", _host("node-b", "cluster_ip", "10.99.0.11"), "node-b: cluster_ip 10.99.0.11 is outside", None),
+    (
+        "address-outside-subnet",
+        _host("node-b", "cluster_ip", "10.99.0.11"),
+        "node-b: cluster_ip 10.99.0.11 is outside",
+        None,
+    ),
     ("root-training-user", _set("cluster_training_user", "root"), "cluster_training_user is root", None),
-    ("missing-wheelhouse", _set("training_wheelhouse", "/nonexistent/wheels"), "does not exist on the controller", None),
+    (
+        "missing-wheelhouse",
+        _set("training_wheelhouse", "/nonexistent/wheels"),
+        "does not exist on the controller",
+        None,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("change", "expected", "also"), [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+@pytest.mark.parametrize(
+    ("change", "expected", "also"), [case[1:] for case in BAD], ids=[case[0] for case in BAD]
+)
 def test_bad_inventory_fails_in_validate_without_contacting_hosts(tmp_path, change, expected, also):
     hosts, cluster_vars = copy.deepcopy(GOOD_HOSTS), copy.deepcopy(GOOD_VARS)
     head, workers = ["node-a"], ["node-b", "node-c"]
@@ -168,8 +225,12 @@ def test_bad_inventory_fails_in_validate_without_contacting_hosts(tmp_path, chan
 
 
 def test_several_problems_are_reported_at_once(tmp_path):
-    cluster_vars = dict(GOOD_VARS, cluster_subnet="0.0.0.0/0", cluster_training_uid=500, cluster_master_port=22)
-    result = run_site(write_inventory(tmp_path, copy.deepcopy(GOOD_HOSTS), cluster_vars, ["node-a"], ["node-b", "node-c"]))
+    cluster_vars = dict(
+        GOOD_VARS, cluster_subnet="0.0.0.0/0", cluster_training_uid=500, cluster_master_port=22
+    )
+    result = run_site(
+        write_inventory(tmp_path, copy.deepcopy(GOOD_HOSTS), cluster_vars, ["node-a"], ["node-b", "node-c"])
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     for text in ("cluster_subnet is 0.0.0.0/0", "cluster_training_uid is 500", "cluster_master_port is 22"):
@@ -181,7 +242,9 @@ def test_good_inventory_passes_validate_and_then_reaches_the_hosts(tmp_path):
     """The control: with nothing wrong, validation passes and the next play does contact the hosts
     (the trap records it), so the assertions above would notice a validate play that let a bad
     inventory through."""
-    inventory = write_inventory(tmp_path, copy.deepcopy(GOOD_HOSTS), copy.deepcopy(GOOD_VARS), ["node-a"], ["node-b", "node-c"])
+    inventory = write_inventory(
+        tmp_path, copy.deepcopy(GOOD_HOSTS), copy.deepcopy(GOOD_VARS), ["node-a"], ["node-b", "node-c"]
+    )
     result = run_site(inventory)
     output = result.stdout + result.stderr
     assert "Inventory OK: head node-a, 2 worker(s), 8 accelerator(s) per node." in output, output

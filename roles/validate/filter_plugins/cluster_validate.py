@@ -259,7 +259,9 @@ def _check_addresses(hosts: Mapping[str, Mapping], out: Problems) -> None:
         try:
             address = ipaddress.ip_address(str(hv["cluster_ip"]).strip())
         except ValueError:
-            out.add(name, f"cluster_ip is {hv['cluster_ip']!r}, not an IP address; fix: write it like 10.20.0.11")
+            out.add(
+                name, f"cluster_ip is {hv['cluster_ip']!r}, not an IP address; fix: write it like 10.20.0.11"
+            )
             continue
         try:
             subnet = ipaddress.ip_network(str(hv.get("cluster_subnet", "")).strip(), strict=False)
@@ -280,7 +282,10 @@ def _check_accelerators(hosts: Mapping[str, Mapping], head: str | None, out: Pro
             continue
         count = _as_int(hv["cluster_accelerators"])
         if count is None or count < 0:
-            out.add(name, f"cluster_accelerators is {hv['cluster_accelerators']!r}; fix: use the GPU count, 0 or more")
+            out.add(
+                name,
+                f"cluster_accelerators is {hv['cluster_accelerators']!r}; fix: use the GPU count, 0 or more",
+            )
             continue
         counts[name] = count
     reference = head if head in counts else next(iter(counts), None)
@@ -291,7 +296,11 @@ def _check_accelerators(hosts: Mapping[str, Mapping], head: str | None, out: Pro
                 f"cluster_accelerators is {count} but {reference} has {counts[reference]}; fix: every "
                 "node needs the same GPU count (set it right, or leave this host out)",
             )
-    models = {n: hv.get("cluster_accelerator_model") for n, hv in hosts.items() if hv.get("cluster_accelerator_model")}
+    models = {
+        n: hv.get("cluster_accelerator_model")
+        for n, hv in hosts.items()
+        if hv.get("cluster_accelerator_model")
+    }
     ref_model = models.get(reference) if reference else None
     for name, model in models.items():
         if ref_model and model != ref_model:
@@ -324,7 +333,9 @@ def _check_node_ranks(hosts: Mapping[str, Mapping], head: str | None, out: Probl
         elif name != head and rank == 0:
             out.add(name, "cluster_node_rank is 0 on a worker; fix: rank 0 is the head, use 1 or more")
         elif rank in seen:
-            out.add(name, f"cluster_node_rank {rank} is also the rank of {seen[rank]}; fix: give each its own")
+            out.add(
+                name, f"cluster_node_rank {rank} is also the rank of {seen[rank]}; fix: give each its own"
+            )
         else:
             seen[rank] = name
 
@@ -364,9 +375,11 @@ def cluster_problems(hostvars: Mapping, groups: Mapping) -> list[str]:
     _check_each(
         hosts,
         "cluster_ntp_servers",
-        lambda v: None
-        if isinstance(v, list) and all(isinstance(s, str) and s for s in v)
-        else f"is {v!r}; fix: write a YAML list of host names, e.g. [ntp1.example.internal]",
+        lambda v: (
+            None
+            if isinstance(v, list) and all(isinstance(s, str) and s for s in v)
+            else f"is {v!r}; fix: write a YAML list of host names, e.g. [ntp1.example.internal]"
+        ),
         out,
     )
     if multi_host:
@@ -375,7 +388,9 @@ def cluster_problems(hostvars: Mapping, groups: Mapping) -> list[str]:
         _check_each(
             hosts,
             "cluster_training_user",
-            lambda v: "is root; fix: train as an unprivileged account such as trainer" if v == "root" else None,
+            lambda v: (
+                "is root; fix: train as an unprivileged account such as trainer" if v == "root" else None
+            ),
             out,
         )
         _check_each(hosts, "cluster_training_uid", _account_id("UID"), out)

@@ -1,0 +1,83 @@
+"""`make provision` (site.yml on inventory/local) passes on this machine and leaves its firewall, NFS
+exports, clock setup and accounts exactly as they were: the multi-host roles skip a one-host cluster
+and say so, and trainer_env only checks the repo's own venv."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+WATCHED = [
+    "/etc/exports",
+    "/etc/exports.d",
+    "/etc/chrony",
+    "/etc/default/chrony",
+    "/etc/ufw",
+    "/etc/default/ufw",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/fstab",
+    "/etc/ssh/ssh_known_hosts",
+]
+
+
+def machine_state() -> dict[str, str]:
+    """A digest of every watched file (missing ones included) plus the live firewall rules."""
+    state: dict[str, str] = {}
+    for top in WATCHED:
+        paths = sorted(Path(top).rglob("*")) if Path(top).is_dir() else [Path(top)]
+        for path in paths:
+            if path.is_file():
+                state[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+            elif not path.exists():
+                state[str(path)] = "missing"
+    for tool in ("iptables", "nft"):
+        if shutil.which(tool):
+            args = [tool, "-S"] if tool == "iptables" else [tool, "list", "ruleset"]
+            result = subprocess.run(args, capture_output=True, text=True)
+            state[tool] = result.stdout if result.returncode == 0 else f"unreadable: {result.stderr}"
+    return state
+
+
+def run_provision(*extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1")
+    return subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), "site.yml", "-i", "inventory/local", *extra],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_make_provision_passes_and_changes_nothing_on_this_machine():
+    before = machine_state()
+    result = run_provision()
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert machine_state() == before
+    recap = re.search(r"localhost\s+: ok=\d+\s+changed=(\d+)\s+unreachable=0\s+failed=0", output)
+    assert recap and recap[1] == "0", output
+    for role in ("users", "ssh_trust", "timesync", "firewall", "nfs_server"):
+        assert f"{role}: skipped, single-host cluster" in output, role
+    assert "trainer_env: single-host cluster: checking the existing venv" in output
+    # The repo's venv really was checked: torch's version appears in the agreement message.
+    assert re.search(r'"torch": "\d+\.\d+', output), output
+
+
+def test_one_concern_by_tag_still_validates_first():
+    result = run_provision("--tags", "firewall")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Inventory OK: head localhost" in output
+    assert "firewall: skipped, single-host cluster" in output
+    assert "users: skipped" not in output
+    assert "trainer_env: single-host" not in output
