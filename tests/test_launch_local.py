@@ -110,15 +110,8 @@ def _trainer_pids(node_dir: Path) -> list[int]:
         text=True,
         check=True,
     )
-    pids = []
-    for pid in json.loads(listed.stdout)["pids"]:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(arg.endswith(b"bin/trainer") for arg in cmdline[:2]) and b"torchrun" not in cmdline[1]:
-            pids.append(pid)
-    return pids
+    processes = json.loads(listed.stdout)["processes"]
+    return [p["pid"] for p in processes if len(p["command"]) > 1 and p["command"][1].endswith("bin/trainer")]
 
 
 def test_a_killed_rank_stops_the_other_host_and_is_named_then_relaunch_resumes(loopback_cluster):

@@ -6,7 +6,7 @@
     python node_ctl.py NODE_DIR prepare  clear the previous launch's state; write the run's files
                                          (JSON on stdin: {"launch_id", "launch_dir", "files"})
     python node_ctl.py NODE_DIR start    start run.sh in its own session once CONFIG is visible
-    python node_ctl.py NODE_DIR pids     the live processes of this launch on this node
+    python node_ctl.py NODE_DIR pids     the live processes of this launch on this node (pid, command)
 
 torchrun puts every worker in a session of its own, so a signal to run.sh's process group does not
 reach them: every process of the launch carries CLUSTERTRAIN_LAUNCH_ID (from `launch-id`) in its
@@ -153,6 +153,13 @@ def stop(node_dir: Path, grace_s: float) -> dict:
     return result
 
 
+def _command(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode("utf-8", "replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
 def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
@@ -218,7 +225,7 @@ def main() -> int:
     elif action == "start":
         result = start(node_dir, Path(sys.argv[3]))
     elif action == "pids":
-        result = {"pids": tagged_pids(node_dir)}
+        result = {"processes": [{"pid": pid, "command": _command(pid)} for pid in tagged_pids(node_dir)]}
     else:
         result = status(node_dir, read_lines=action != "peek")
     print(json.dumps(result))

@@ -35,6 +35,8 @@ def interface_of(address: str) -> str:
 def port_error(address: str, port: int) -> str:
     """'' if `port` can be bound on `address` (the rendezvous can listen there), else why not."""
     with socket.socket() as sock:
+        # As torch's TCPStore does: connections of a finished run in TIME_WAIT do not block it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((address, port))
         except OSError as err:
