@@ -154,6 +154,7 @@ def train(
         np.random.seed(seed)
         torch.manual_seed(seed)
         model = GPT(config.model, vocab_size=len(corpus.vocab), block_size=config.data.block_size)
+        parameter_count = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
         if config.train.compile:
             model.compile()
         engine = create_engine(config, topology, model, bf16=bf16)
@@ -196,7 +197,7 @@ def train(
             },
         )
         reporter.info(
-            f"training {sum(p.numel() for p in model.parameters()):,} parameters with "
+            f"training {parameter_count:,} parameters with "
             f"{config.distributed.engine} on {topology.world_size} process(es), "
             f"{topology.num_nodes} node(s), {topology.device}"
             f"{', bf16' if bf16 else ''}; output in {output_dir}"

@@ -44,8 +44,10 @@ class DeepSpeedEngine(Engine):
     def __init__(self, config, topology, model: torch.nn.Module, bf16: bool = False):
         # DeepSpeed logs every rank's set-up at INFO; warnings and errors still come through.
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        # DeepSpeed's ZeRO uses a collective torch has renamed; the warning says nothing to the user.
-        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+        # DeepSpeed's ZeRO uses collectives torch has renamed; the warnings say nothing to the user.
+        warnings.filterwarnings(
+            "ignore", message=r".*torch\.distributed\.\w+_tensor` is deprecated", category=FutureWarning
+        )
         deepspeed.init_distributed(dist_backend=topology.backend)  # adopts the existing process group
         self.topology = topology
         self.ds_config = deepspeed_config(config, topology.world_size, bf16)
