@@ -39,9 +39,10 @@ def test_single_process_without_launcher_json_lines_oversubscribed_and_rotated(r
 def test_two_nodes_on_loopback_train_and_leave_cleanly(tmp_path):
     # Two torchrun "nodes" × 2 processes, c10d rendezvous. With gloo this is where
     # destroy_process_group() used to abort a rank and hang its peer: both must exit 0, promptly.
+    # Gradient accumulation over 2 micro-batches: DDP syncs only on the second (no_sync on the first).
     output_dir = tmp_path / "out"
     port = free_port()
-    args = sets(f"output_dir={output_dir}", *QUICK)
+    args = sets(f"output_dir={output_dir}", *QUICK, "train.gradient_accumulation_steps=2")
     jobs = [
         subprocess.Popen(
             [
@@ -87,3 +88,4 @@ def test_two_nodes_on_loopback_train_and_leave_cleanly(tmp_path):
     topology = run.json("run.json")["topology"]
     assert topology["num_nodes"] == 2
     assert sorted(r["rank"] for r in topology["ranks"]) == [0, 1, 2, 3]
+    assert run.json("run.json")["data"]["effective_batch"] == 8 * 4 * 2
