@@ -209,3 +209,30 @@ def test_a_node_without_the_trainer_stops_the_launch_before_any_node_starts(loop
     assert done.returncode == 1, out
     assert "could not start on node1" in out and "/nonexistent/venv" in out and "make provision" in out, out
     assert not (shared / "runs" / "novenv" / "launch" / "node-0").exists(), "node0 did not start either"
+
+
+def test_ctrl_c_stops_every_host(loopback_cluster):
+    inventory, shared = loopback_cluster
+    launcher = subprocess.Popen(
+        launch_command(inventory, "--run-name", "ctrlc", "--set", "train.max_steps=400", *TINY),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # As a terminal's Ctrl-C would find it: SIGINT not ignored (a background shell job ignores it).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    seen = []
+    try:
+        for line in launcher.stdout:
+            seen.append(line)
+            if line.startswith("step "):
+                launcher.send_signal(signal.SIGINT)
+                break
+        out = "".join(seen) + launcher.communicate(timeout=120)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, out
+    assert "interrupted: the trainer is stopped on all hosts" in out, out
+    for rank in (0, 1):
+        assert _trainer_pids(shared / "runs" / "ctrlc" / "launch" / f"node-{rank}") == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import threading
 import time
@@ -102,6 +103,7 @@ class Launcher:
         self.become: dict[str, bool] = {}
         #: Tags every process this launch starts (see node_ctl.py), so a stop finds them all.
         self.launch_id = f"{plan.run_name}-{uuid.uuid4().hex[:12]}"
+        self.files = launch_files(plan)
 
     def extravars(self) -> dict[str, Any]:
         plan, topo = self.plan, self.plan.topology
@@ -122,7 +124,7 @@ class Launcher:
                 }
                 for n in topo.nodes
             },
-            "launch_files": launch_files(plan),
+            "launch_files": self.files,
             "launch_has_secrets": plan.has_secrets,
             "launch_become_hosts": self.become,
             "launch_poll_delay": self.poll_interval_s,
@@ -139,7 +141,13 @@ class Launcher:
         )
 
     def stop(self, monitor: JobMonitor | None = None) -> PlaybookResult:
-        result = self._run("stop.yml")
+        """Stop the run on every host. A second Ctrl-C must not cut this short (it would leave
+        trainers running), so SIGINT is ignored until the stop playbook is done."""
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            result = self._run("stop.yml")
+        finally:
+            signal.signal(signal.SIGINT, previous)
         if monitor is not None:
             for host, items in result.ok.items():
                 for item in items:
@@ -184,7 +192,7 @@ class Launcher:
                 watch = None
             if interrupted or not monitor.all_done:
                 if interrupted:
-                    view.message("interrupted: stopping the trainer on every host")
+                    view.message("interrupted: stopping the trainer on every host (wait for it)")
                 elif monitor.failed:
                     first = monitor.first_failure()
                     view.message(f"{first.host} failed: stopping the trainer on every other host")
@@ -298,6 +306,6 @@ def run(args: argparse.Namespace) -> int:
                 state = "unreachable" if host in result.unreachable else "nothing to stop"
             else:
                 state = "stopped" if json.loads(item.result["stdout"]).get("stopped") else "not running"
-            view.message(f"[{host}] {state}")
+            view.log(f"[{host}] {state}")
         return exitcodes.OK if result.succeeded else exitcodes.FAILURE
     return launcher.launch(view)
