@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -101,6 +102,8 @@ def test_cancel_stops_a_running_playbook(tmp_path):
     result = run_playbook(playbook, LOCAL_INVENTORY, on_event=cancel_on_task_start, cancel=cancel)
     assert result.status == "canceled"
     assert time.monotonic() - started < 20
+    leftovers = subprocess.run(["pgrep", "-f", str(playbook)], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], "ansible-playbook and its workers are gone after a cancel"
 
 
 def test_missing_playbook_is_a_clear_error(tmp_path):

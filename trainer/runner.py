@@ -35,12 +35,16 @@ Why it looks like this (the known ansible-runner traps):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import threading
+import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +78,10 @@ ENV_ALLOW_LIST = frozenset(
 
 #: How often (seconds) ansible-runner looks at the cancel flag.
 CANCEL_POLL_S = 0.5
+#: Marks the processes of one run: ansible-runner's cancel kills the process it spawned, but
+#: ansible-playbook (ansible-core 2.19) runs in a session of its own and outlives that, with its
+#: workers and, on local connections, the modules they run.
+RUN_MARKER = "CLUSTERTRAIN_RUNNER_ID"
 
 _RESULT_EVENTS = {
     "runner_on_ok": "ok",
@@ -166,6 +174,33 @@ def filtered_environment(env: Mapping[str, str], bin_dir: str | None = None) -> 
     return kept
 
 
+def _marked_processes(marker: str) -> list[int]:
+    """Our own processes whose environment holds `marker` (NAME=value)."""
+    wanted = marker.encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if wanted in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _end_processes(marker: str, grace_s: float = 3.0) -> None:
+    """TERM what is left of a run, KILL what survives `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = [pid for pid in _marked_processes(marker) if pid != os.getpid()]
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+            time.sleep(0.1)
+
+
 def _task_result(event: dict[str, Any], status: str) -> TaskResult:
     data = event.get("event_data", {})
     return TaskResult(
@@ -206,6 +241,7 @@ def run_playbook(
     cancel = cancel or threading.Event()
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     bin_dir = str(Path(sys.executable).parent)
+    marker = f"{RUN_MARKER}={uuid.uuid4().hex}"
 
     def copy_event(event: dict[str, Any]) -> bool:
         events.put(event)
@@ -214,7 +250,11 @@ def run_playbook(
     def filter_env(status_data: dict[str, Any], runner_config: Any = None) -> None:
         # "starting" comes before ansible-runner writes artifacts/<id>/command and spawns the process.
         if status_data.get("status") == "starting" and runner_config is not None:
-            runner_config.env = {**filtered_environment(runner_config.env, bin_dir), **(env or {})}
+            runner_config.env = {
+                **filtered_environment(runner_config.env, bin_dir),
+                **(env or {}),
+                RUN_MARKER: marker.split("=", 1)[1],
+            }
 
     private_data_dir = tempfile.mkdtemp(prefix="clustertrain-runner-")
     try:
@@ -273,4 +313,6 @@ def run_playbook(
         rc = runner.rc if isinstance(runner.rc, int) else 1
         return PlaybookResult(status=runner.status, rc=rc, results=results, stats=stats, output=output)
     finally:
+        # After a cancel (or a crash of ansible-runner) ansible-playbook may still be running.
+        _end_processes(marker)
         shutil.rmtree(private_data_dir, ignore_errors=True)
