@@ -211,7 +211,8 @@ def test_a_node_without_the_trainer_stops_the_launch_before_any_node_starts(loop
     assert not (shared / "runs" / "novenv" / "launch" / "node-0").exists(), "node0 did not start either"
 
 
-def test_ctrl_c_stops_every_host(loopback_cluster):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
+def test_ctrl_c_or_term_stops_every_host(loopback_cluster, sig):
     inventory, shared = loopback_cluster
     launcher = subprocess.Popen(
         launch_command(inventory, "--run-name", "ctrlc", "--set", "train.max_steps=400", *TINY),
@@ -226,7 +227,7 @@ def test_ctrl_c_stops_every_host(loopback_cluster):
         for line in launcher.stdout:
             seen.append(line)
             if line.startswith("step "):
-                launcher.send_signal(signal.SIGINT)
+                launcher.send_signal(sig)
                 break
         out = "".join(seen) + launcher.communicate(timeout=120)[0]
     finally:

@@ -30,7 +30,11 @@ Why it looks like this (the known ansible-runner traps):
   `runner_config=` before it writes that file and starts the process);
 - `ansible-playbook` is looked up on PATH, so the running interpreter's bin directory goes first;
 - ansible-runner turns host key checking off unless told otherwise; here it stays on unless the
-  caller's own environment sets ANSIBLE_HOST_KEY_CHECKING.
+  caller's own environment sets ANSIBLE_HOST_KEY_CHECKING;
+- a canceled run's ansible-playbook outlives ansible-runner's kill (it runs in a session of its own),
+  so every process of a run carries CLUSTERTRAIN_RUNNER_ID in its environment and whatever still
+  carries it when the run ends is terminated. On a local connection that includes processes a task
+  started: one that must outlive the run (a detached trainer) must drop that variable.
 """
 
 from __future__ import annotations

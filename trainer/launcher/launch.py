@@ -143,11 +143,12 @@ class Launcher:
     def stop(self, monitor: JobMonitor | None = None) -> PlaybookResult:
         """Stop the run on every host. A second Ctrl-C must not cut this short (it would leave
         trainers running), so SIGINT is ignored until the stop playbook is done."""
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             result = self._run("stop.yml")
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         if monitor is not None:
             for host, items in result.ok.items():
                 for item in items:
@@ -308,4 +309,10 @@ def run(args: argparse.Namespace) -> int:
                 state = "stopped" if json.loads(item.result["stdout"]).get("stopped") else "not running"
             view.log(f"[{host}] {state}")
         return exitcodes.OK if result.succeeded else exitcodes.FAILURE
+    # A TERM (a CI job's timeout, a supervisor) stops the hosts' trainers the way Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
     return launcher.launch(view)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -200,10 +200,18 @@ def start(node_dir: Path, config: Path, timeout_s: float = 60.0) -> dict:
                 f"{config} is not visible on this node after {timeout_s:.0f} s: is the shared dir mounted?"
             )
         time.sleep(0.5)
+    # Not Ansible's own variables: with a local connection they include the controller's run marker
+    # (trainer.runner ends every process carrying it when the playbook ends; the trainer must live on).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ANSIBLE_", "AWX_", "RUNNER_", "CLUSTERTRAIN_RUNNER_"))
+    }
     with open(os.devnull, "rb") as null_in, open(os.devnull, "wb") as null_out:
         subprocess.Popen(
             ["/bin/bash", str(node_dir / "run.sh")],
             cwd=node_dir,
+            env=env,
             stdin=null_in,
             stdout=null_out,
             stderr=null_out,
