@@ -118,6 +118,30 @@ OpenSSH                    ALLOW IN    Anywhere
 """
 
 
+# Recorded from ufw 0.36.2 in a Debian 12 container: a deny inserted above the cluster rule.
+UFW_RECORDED = """Status: active
+Logging: on (low)
+Default: deny (incoming), allow (outgoing), deny (routed)
+New profiles: skip
+
+To                         Action      From
+--                         ------      ----
+29500/tcp                  DENY IN     Anywhere
+22/tcp                     ALLOW IN    Anywhere
+29400:29999/tcp            ALLOW IN    10.89.77.11                # clustertrain
+29500/tcp (v6)             DENY IN     Anywhere (v6)
+22/tcp (v6)                ALLOW IN    Anywhere (v6)
+"""
+
+
+def test_ufw_recorded_output_names_the_deny_rule_above_the_cluster_rule():
+    active, default, rules = network.parse_ufw_status(UFW_RECORDED)
+    assert active and [r.source for r in rules] == ["Anywhere", "Anywhere", "10.89.77.11"]
+    assert network.ufw_verdict(rules, default, 29500, "10.89.77.11") == (False, "29500/tcp DENY IN Anywhere")
+    assert network.ufw_verdict(rules, default, 29600, "10.89.77.11")[0]
+    assert network.ufw_verdict(rules, default, 29600, "10.89.77.12") == (False, "default deny (incoming)")
+
+
 def test_ufw_first_matching_rule_decides():
     active, default, rules = network.parse_ufw_status(UFW_STATUS)
     assert active and default == "deny" and len(rules) == 4

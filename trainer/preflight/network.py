@@ -118,7 +118,7 @@ def parse_ufw_status(text: str) -> tuple[bool, str, list[UfwRule]]:
             ports, proto = None, None
         else:
             continue  # application profiles (OpenSSH) and the like: not about our ports
-        rules.append(UfwRule(ports, proto, match["action"], match["src"].split()[0], line.strip()))
+        rules.append(UfwRule(ports, proto, match["action"], match["src"].split()[0], " ".join(line.split())))
     return active, (default[1] if default else "deny"), rules
 
 
@@ -175,6 +175,8 @@ def ufw(cluster: Cluster, outputs: dict[str, Any], why_missing) -> list[Result]:
             message = " ".join(str(output.get(k) or "") for k in ("msg", "stderr", "stdout")).strip()
             if "No such file" in message or output.get("rc") == 127:
                 message = "ufw is not installed"
+            elif "Permission denied" in message:
+                message = "ufw cannot read the firewall rules (it needs root and CAP_NET_ADMIN)"
             results.append(
                 Result(
                     check,

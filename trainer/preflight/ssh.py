@@ -18,8 +18,8 @@ def diagnose(source: str, peer: str, address: str, user: str, stderr: str) -> tu
         or ("host key for" in text and "not known" in text)
     ):
         return (
-            f"{peer}'s host key is not pinned in {user}'s known_hosts on {source}",
-            f"add {peer}'s host key ({address}) to ~{user}/.ssh/known_hosts on {source} after checking its "
+            f"{peer}'s host key is not pinned for {user} on {source} (known_hosts)",
+            f"pin {peer}'s host key ({address}) in /etc/ssh/ssh_known_hosts on {source} after checking its "
             "fingerprint (the ssh trust role pins every node: make provision); never use "
             "StrictHostKeyChecking=no",
         )

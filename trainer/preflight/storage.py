@@ -115,13 +115,16 @@ def data(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[Result]:
         if found is None or found.get("error"):
             reason = found["error"] if found else why_missing(host.name)
             path = (found or {}).get("path", host.get("cluster_data_path") or "bundled text")
+            bundled = not host.get("cluster_data_path")
             results.append(
                 Result(
                     check,
                     host.name,
                     FAIL,
                     f"cannot read the training data {path}: {reason}",
-                    fix="put the data file on every node at cluster_data_path (or on the share)",
+                    fix="create the training venv on this node (make provision): it holds the bundled text"
+                    if bundled
+                    else "put the data file on every node at cluster_data_path (or on the share)",
                 )
             )
             continue
