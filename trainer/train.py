@@ -111,7 +111,7 @@ def train(
 
     from trainer import distributed
     from trainer.checkpoint import CheckpointWriter, check_resumable, find_resume_point
-    from trainer.config import dump_config
+    from trainer.config import ConfigError, dump_config
     from trainer.data import ShardedBatches
     from trainer.engines import create_engine
     from trainer.health import start_monitor
@@ -126,6 +126,11 @@ def train(
     if resume_from is not None:
         check_resumable(resume_from, config, world_size=topology.world_size)
     distributed.start(topology, config.distributed.timeout_s)
+    try:
+        _check_output_dir_is_shared(output_dir, topology)
+    except ConfigError:
+        distributed.shutdown(clean=True)  # every rank found the same problem: they leave together
+        raise
     clean = False
     on_gpu = topology.device.startswith("cuda")
     health = start_monitor(
@@ -137,9 +142,6 @@ def train(
         say=reporter.info,
     )
     try:
-        if topology.is_main:
-            output_dir.mkdir(parents=True, exist_ok=True)
-        distributed.barrier()
         for note in [*notes, resume_note]:
             if note:
                 reporter.info(note)
@@ -230,3 +232,31 @@ def train(
     finally:
         health.stop()
         distributed.shutdown(clean)
+
+
+def _check_output_dir_is_shared(output_dir, topology) -> None:
+    """Every rank must see what rank 0 writes in output_dir: checkpoints are written by all ranks into
+    a directory rank 0 creates, and resume reads `latest` on every node. A node-local path on a
+    multi-node run fails here, at once, with the fix, instead of at the first checkpoint."""
+    import uuid
+
+    from trainer import distributed
+    from trainer.config import ConfigError
+
+    token = distributed.gather(uuid.uuid4().hex if topology.is_main else None)[0]
+    marker = output_dir / f".shared-check-{token}"
+    if topology.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    distributed.barrier()
+    sees = distributed.gather((marker.exists(), topology.hostname))
+    distributed.barrier()
+    if topology.is_main:
+        marker.unlink()
+    blind = [f"rank {rank} on {host}" for rank, (seen, host) in enumerate(sees) if not seen]
+    if blind:
+        raise ConfigError(
+            "output_dir",
+            f"{', '.join(blind)} cannot see the files rank 0 writes in {output_dir}: put output_dir on a "
+            "file system shared by all nodes, mounted at the same path (the cluster's shared directory)",
+        )
