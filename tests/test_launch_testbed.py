@@ -56,13 +56,30 @@ def testbed(tmp_path):
     shutil.rmtree(output, ignore_errors=True)
 
 
+#: A blocked or lost peer fails the job in 2 minutes instead of the inventory's 30.
+TEST_SETS = (
+    "train.warmup_steps=1",
+    "train.log_every=2",
+    "checkpoint.save_steps=4",
+    "distributed.timeout_s=120",
+)
+
+
 def launch(inventory: Path, run_name: str, *sets: str) -> list[str]:
-    args = [
-        a
-        for s in ("train.warmup_steps=1", "train.log_every=2", "checkpoint.save_steps=4", *sets)
-        for a in ("--set", s)
-    ]
+    args = [a for s in (*TEST_SETS, *sets) for a in ("--set", s)]
     return [sys.executable, "-m", "trainer", "launch", "-i", str(inventory), "--run-name", run_name, *args]
+
+
+def run_launch(command: list[str], timeout: float) -> tuple[int, str]:
+    """Run a launch to its end; past `timeout` it gets TERM, so it stops the bed's trainers itself."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=120)
+        pytest.fail(f"trainer launch did not finish within {timeout:.0f} s:\n{out}")
+    return proc.returncode, out
 
 
 def worker_trainer_pids(host: str, node_dir: str) -> list[int]:
@@ -77,11 +94,8 @@ def worker_trainer_pids(host: str, node_dir: str) -> list[int]:
 
 def test_three_node_launch_trains_with_agreeing_ranks(testbed):
     inventory, run_name, output = testbed
-    done = subprocess.run(
-        launch(inventory, run_name, "train.max_steps=8"), capture_output=True, text=True, env=ENV, timeout=900
-    )
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out
+    rc, out = run_launch(launch(inventory, run_name, "train.max_steps=8"), timeout=900)
+    assert rc == 0, out
     assert "step 8/8" in out and all(f"[{h}]" in out for h in HOSTS), out
     metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 8 and metrics[-1]["world_size"] == 3
@@ -117,7 +131,8 @@ def test_killed_worker_stops_all_hosts_then_relaunch_resumes(testbed):
         stopped_after = time.monotonic() - killed_at
     finally:
         if launcher.poll() is None:
-            launcher.kill()
+            launcher.terminate()  # the launcher then stops the bed's trainers itself
+            launcher.communicate(timeout=120)
     assert launcher.returncode == 1, out
     assert "first failure on host ct-worker1 (node 1, rank 1)" in out, out
     assert stopped_after < 60, f"{stopped_after:.0f} s from the kill to every host stopped"
@@ -127,11 +142,8 @@ def test_killed_worker_stops_all_hosts_then_relaunch_resumes(testbed):
 
     latest = (output / "checkpoints" / "latest").read_text().strip()
     finish_at = int(latest.removeprefix("step-")) + 2
-    done = subprocess.run(
-        launch(inventory, run_name, f"train.max_steps={finish_at}"),
-        capture_output=True, text=True, env=ENV, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    rc, out = run_launch(launch(inventory, run_name, f"train.max_steps={finish_at}"), timeout=900)
+    assert rc == 0, out
     summary = json.loads((output / "summary.json").read_text())
     assert summary["final_step"] == finish_at
     assert latest in str(summary["resumed_from"])
