@@ -1,0 +1,107 @@
+"""Provisioning time: site.yml on the 3-container test bed, cold and idempotent, tuned vs Ansible's defaults.
+
+Runs, in one go:
+  1. cold:        fresh containers (Molecule destroy + create), `ansible-playbook site.yml` with
+                  this repo's ansible.cfg (forks 20, smart gathering + jsonfile fact cache,
+                  pipelining and ControlPersist for SSH);
+  2. idempotent:  the same again, nothing left to change;
+  3. defaults:    the idempotent run with Ansible's defaults (an empty config: forks 5, implicit
+                  gathering in every play, memory fact cache, no pipelining).
+With --each, one more idempotent run per setting, each with only that setting back at its default,
+so the output says what each one buys. Prints seconds and the ratios.
+
+The test bed is shared: the status file says `down` while this rebuilds it, and `up` again after
+the runs (the bed is left converged, as Molecule's verify would leave it).
+Usage: python bench/provision.py [--each] [--keep-warm]  (--keep-warm: skip the rebuild, no cold run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+INVENTORY = REPO / "molecule" / "default" / "inventory"
+MOLECULE = REPO / "scripts" / "testbed" / "molecule.sh"
+STATUS = Path("/tmp/clustertrain-testbed.status")
+PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
+
+# Each tuned setting, and the environment that puts just that one back at Ansible's default.
+SETTINGS = {
+    "forks 20 (default 5)": {"ANSIBLE_FORKS": "5"},
+    "gathering smart (default implicit)": {"ANSIBLE_GATHERING": "implicit"},
+    "fact cache jsonfile (default memory)": {"ANSIBLE_CACHE_PLUGIN": "memory"},
+    "pipelining (default off)": {"ANSIBLE_PIPELINING": "false"},
+}
+
+
+def set_status(text: str) -> None:
+    STATUS.write_text(f"{text} {datetime.now(timezone.utc):%Y-%m-%dT%H:%M:%SZ}\n")
+
+
+def molecule(*args: str) -> None:
+    subprocess.run([str(MOLECULE), *args, "-s", "default"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+
+
+def run_site(label: str, env_changes: dict[str, str], fact_cache: Path) -> float:
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_CACHE_PLUGIN_CONNECTION=str(fact_cache))
+    env.update(env_changes)
+    started = time.monotonic()
+    result = subprocess.run(
+        [str(PLAYBOOK), "site.yml", "-i", str(INVENTORY)], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    seconds = time.monotonic() - started
+    recaps = {m[1]: (int(m[3]), int(m[5])) for m in RECAP.finditer(result.stdout)}
+    if result.returncode != 0:
+        sys.exit(
+            f"{label}: site.yml failed (rc {result.returncode}):\n"
+            f"{result.stdout[-4000:]}{result.stderr[-2000:]}"
+        )
+    changed = sum(c for c, _ in recaps.values())
+    print(f"{label:<44} {seconds:7.1f} s   changed={changed}", flush=True)
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--each", action="store_true", help="also measure each setting on its own")
+    parser.add_argument("--keep-warm", action="store_true", help="reuse the converged bed; no cold run")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="clustertrain-bench-facts-") as tmp:
+        fact_cache = Path(tmp)
+        results: dict[str, float] = {}
+        if not args.keep_warm:
+            set_status("down")
+            molecule("destroy")
+            molecule("create")
+            results["cold"] = run_site("cold site.yml (tuned ansible.cfg)", {}, fact_cache)
+        results["idempotent"] = run_site("idempotent site.yml (tuned)", {}, fact_cache)
+        with tempfile.NamedTemporaryFile("w", suffix=".cfg") as empty_cfg:
+            defaults_env = {"ANSIBLE_CONFIG": empty_cfg.name, "ANSIBLE_ROLES_PATH": str(REPO / "roles")}
+            results["defaults"] = run_site("idempotent site.yml (Ansible defaults)", defaults_env, fact_cache)
+        if args.each:
+            for name, env_changes in SETTINGS.items():
+                results[name] = run_site(f"idempotent, without {name}", env_changes, fact_cache)
+        set_status("up")
+    print()
+    if "cold" in results:
+        print(f"cold / idempotent:          {results['cold'] / results['idempotent']:.2f}x")
+    print(f"defaults / tuned (idempotent): {results['defaults'] / results['idempotent']:.2f}x")
+    for name in SETTINGS:
+        if name in results:
+            print(f"  {name}: saves {results[name] - results['idempotent']:+.1f} s per idempotent run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
