@@ -64,7 +64,7 @@ def matrix(nodes: list[str], measured: dict[tuple[str, str], float | None]) -> l
 
 
 def format_matrix(nodes: list[str], cells: list[list[float | None]]) -> str:
-    width = max(12, *(len(n) + 2 for n in nodes))
+    width = max(12, *(len(n) + 5 for n in nodes))  # room for "-> " and a gap
     lines = ["Gbit/s".ljust(width) + "".join(("-> " + n).rjust(width) for n in nodes)]
     for sender, row in zip(nodes, cells, strict=True):
         text = "".join(("-" if v is None else f"{v:.2f}").rjust(width) for v in row)
