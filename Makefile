@@ -52,9 +52,11 @@ lint: install
 test-fast: install
 	$(BIN)/pytest -q -m "not testbed" $(ARGS)
 
+# create -> converge -> idempotence -> verify, then the launcher and preflight tests on the live
+# bed, then destroy whatever happened (the image and wheelhouse stay cached for the next run).
 molecule: install
-	scripts/testbed/molecule.sh test -s default
-	$(BIN)/pytest -q -m testbed $(ARGS)
+	scripts/testbed/molecule.sh test -s default --destroy never || { scripts/testbed/molecule.sh destroy -s default; exit 1; }
+	rc=0; $(BIN)/pytest -q -m testbed $(ARGS) || rc=$$?; scripts/testbed/molecule.sh destroy -s default; exit $$rc
 
 test-vm: install
 	scripts/testbed/molecule.sh test -s vm
