@@ -57,13 +57,17 @@ def run_check(cluster: Cluster, timeout_s: float = 900) -> list[Result]:
         ]
     if launched.returncode != 0:
         tail = "\n".join((launched.stdout + launched.stderr).strip().splitlines()[-12:])
+        causes, fix = _node_errors(cluster, run_dir)
+        if causes:
+            tail = f"{tail}\nerrors in the nodes' logs ({run_dir}/launch):\n{causes}"
         return [
             Result(
                 CHECK,
                 head.name,
                 FAIL,
                 f"the DeepSpeed job (ZeRO-2, {STEPS} steps) failed, exit {launched.returncode}:\n{tail}",
-                fix=f"run it by hand to see the whole log: {shlex.join(['trainer', *command[3:]])}",
+                fix=(fix + "; then " if fix else "")
+                + f"run it by hand to see the whole log: {shlex.join(['trainer', *command[3:]])}",
                 data={"command": command},
             )
         ]
@@ -107,3 +111,31 @@ def run_check(cluster: Cluster, timeout_s: float = 900) -> list[Result]:
             data=found,
         )
     ]
+
+
+#: Known causes in a node's log -> the fix.
+KNOWN_CAUSES = (
+    (
+        "Error building extension 'deepspeed_shm_comm'",
+        "install a C++ compiler (g++) on every node: DeepSpeed builds its CPU comm op at first start",
+    ),
+    (
+        "Address already in use",
+        "something holds the master port on the head: stop it or change cluster_master_port",
+    ),
+)
+
+
+def _node_errors(cluster: Cluster, run_dir: str) -> tuple[str, str]:
+    """The error lines of each node's log of a failed run, read on the head, and a fix if one is known."""
+    from trainer.runner import run_playbook
+
+    result = run_playbook(PLAYBOOK, cluster.inventory, extravars={"preflight_run_dir": run_dir})
+    item = result.task_result(cluster.head.name, VERIFY_TASK)
+    try:
+        errors = json.loads(str(item.result["stdout"]).strip().splitlines()[-1])["node_errors"]
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        return "", ""
+    text = "\n".join(f"{node}: {line[:300]}" for node, lines in errors.items() for line in lines)
+    fixes = [fix for needle, fix in KNOWN_CAUSES if needle in text]
+    return text, "; ".join(fixes)

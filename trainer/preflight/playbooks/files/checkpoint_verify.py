@@ -3,6 +3,7 @@
 remove the run dir when it is complete (it is preflight's own scratch run). Never fails."""
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -26,6 +27,16 @@ def main():
                 out["bytes"] += os.path.getsize(os.path.join(root, name))
     except OSError as err:
         out["error"] = f"{err.strerror}: {err.filename}"
+    # Why a failed job failed: the error lines of each node's log (the launcher keeps them in launch/).
+    out["node_errors"] = {}
+    for log in sorted(glob.glob(os.path.join(args.run_dir, "launch", "*", "log"))):
+        try:
+            with open(log, errors="replace") as handle:
+                lines = [ln.strip() for ln in handle if "Error" in ln and not ln.startswith((" ", "\t"))]
+        except OSError:
+            continue
+        if lines:
+            out["node_errors"][os.path.basename(os.path.dirname(log))] = list(dict.fromkeys(lines))[-3:]
     if out["files"] and not out["error"]:
         shutil.rmtree(args.run_dir, ignore_errors=True)
         out["removed"] = not os.path.exists(args.run_dir)
