@@ -67,6 +67,10 @@ def run_site(label: str, env_changes: dict[str, str], fact_cache: Path) -> float
         )
     changed = sum(c for c, _ in recaps.values())
     print(f"{label:<44} {seconds:7.1f} s   changed={changed}", flush=True)
+    if changed:
+        # Name what changed: an idempotent run that changes things measures something else.
+        tasks = re.findall(r"^TASK \[(.+?)\].*\n(?:.*\n)*?changed: ", result.stdout, re.M)
+        print("    changed tasks: " + "; ".join(dict.fromkeys(tasks)), flush=True)
     return seconds
 
 
