@@ -69,8 +69,13 @@ def run_site(label: str, env_changes: dict[str, str], fact_cache: Path) -> float
     print(f"{label:<44} {seconds:7.1f} s   changed={changed}", flush=True)
     if changed:
         # Name what changed: an idempotent run that changes things measures something else.
-        tasks = re.findall(r"^TASK \[(.+?)\].*\n(?:.*\n)*?changed: ", result.stdout, re.M)
-        print("    changed tasks: " + "; ".join(dict.fromkeys(tasks)), flush=True)
+        task, tasks = "", []
+        for line in result.stdout.splitlines():
+            if line.startswith("TASK ["):
+                task = line[6 : line.find("]")]
+            elif line.startswith("changed: ") and task not in tasks:
+                tasks.append(task)
+        print("    changed tasks: " + "; ".join(tasks), flush=True)
     return seconds
 
 
