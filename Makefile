@@ -39,7 +39,9 @@ train: install
 provision: install
 	$(BIN)/ansible-playbook site.yml -i $(INVENTORY) $(ARGS)
 
+# The embedded default's shared dir is the repo's output/, which a fresh clone does not have yet.
 preflight: install
+	$(if $(filter inventory/local,$(INVENTORY)),mkdir -p output)
 	$(BIN)/trainer preflight -i $(INVENTORY) $(ARGS)
 
 lint: install

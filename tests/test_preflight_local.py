@@ -25,6 +25,9 @@ def preflight(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 
 def test_local_inventory_passes_and_skips_pair_checks(tmp_path):
+    # The local inventory's shared dir is the repo's output/, which a fresh clone does not have yet
+    # (`make preflight` creates it, as provisioning does on a cluster).
+    (REPO / "output").mkdir(exist_ok=True)
     report_path = tmp_path / "preflight.json"
     out = preflight("-i", "inventory/local", "--skip", "deepspeed", "--report", str(report_path))
     assert out.returncode == exitcodes.OK, out.stdout + out.stderr

@@ -35,7 +35,7 @@ REQUIRED = {
     "cluster_shared_dir": "set an absolute path in group_vars/cluster/storage.yml",
     "nfs_server_backend": "set kernel or ganesha in group_vars/cluster/storage.yml",
     "cluster_master_port": "set it (e.g. 29500) in group_vars/cluster/network.yml",
-    "cluster_comm_port_range": 'set it (e.g. "29400:29999") in group_vars/cluster/network.yml',
+    "cluster_comm_port_range": 'set it (e.g. "1024:65535") in group_vars/cluster/network.yml',
     "cluster_ntp_servers": "set a list (may be empty) in group_vars/cluster/network.yml",
     "training_venv": "set an absolute path in group_vars/cluster/training.yml",
     "training_procs_per_node": "set it in group_vars/cluster/training.yml",
