@@ -83,9 +83,13 @@ def run_launch(command: list[str], timeout: float) -> tuple[int, str]:
 
 
 def worker_trainer_pids(host: str, node_dir: str) -> list[int]:
-    venv = group_vars()["training_venv"]
+    settings = group_vars()
+    venv, user = settings["training_venv"], settings["cluster_training_user"]
+    # As the training user: root in a container has no CAP_SYS_PTRACE, so it cannot read the
+    # environment (the launch tag) of another user's processes and would find none.
     listed = subprocess.run(
-        ["podman", "exec", host, f"{venv}/bin/python", f"{node_dir}/node_ctl.py", node_dir, "pids"],
+        ["podman", "exec", "--user", user, host,
+         f"{venv}/bin/python", f"{node_dir}/node_ctl.py", node_dir, "pids"],
         capture_output=True, text=True, env=ENV, check=True, timeout=60,
     )  # fmt: skip
     processes = json.loads(listed.stdout)["processes"]

@@ -16,7 +16,7 @@ base_packages=systemd,systemd-sysv,python3,sudo,openssh-server,iproute2,procps,d
 # What the roles install (timesync, firewall, nfs_server ganesha, nfs_client, trainer_env, preflight).
 role_packages=(
   chrony ufw nfs-ganesha nfs-ganesha-vfs libnfs-utils nfs-common iperf3
-  python3-venv python3-apt rsync acl openssh-client g++
+  python3-venv python3-apt rsync acl openssh-client g++ python3-dev
 )
 
 recipe="$(sha256sum <"$0" | cut -c1-16)"
