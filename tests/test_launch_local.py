@@ -111,7 +111,24 @@ def _trainer_pids(node_dir: Path) -> list[int]:
         check=True,
     )
     processes = json.loads(listed.stdout)["processes"]
-    return [p["pid"] for p in processes if len(p["command"]) > 1 and p["command"][1].endswith("bin/trainer")]
+    # Both loopback "hosts" are this machine and share the launch's tag, so keep only this node's
+    # processes (run.sh exports NODE_RANK): killing the other node's trainer too makes the first
+    # failure a race.
+    node_rank = f"NODE_RANK={node_dir.name.removeprefix('node-')}".encode()
+    return [
+        p["pid"]
+        for p in processes
+        if len(p["command"]) > 1
+        and p["command"][1].endswith("bin/trainer")
+        and node_rank in _environ(p["pid"])
+    ]
+
+
+def _environ(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
 
 
 def test_a_killed_rank_stops_the_other_host_and_is_named_then_relaunch_resumes(loopback_cluster):
