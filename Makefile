@@ -55,10 +55,9 @@ test-fast: install
 	$(BIN)/pytest -q -m "not testbed" $(ARGS)
 
 # create -> converge -> idempotence -> verify, then the launcher and preflight tests on the live
-# bed, then destroy whatever happened (the image and wheelhouse stay cached for the next run).
+# bed, then destroy; on failure the last lines name the failing step (scripts/testbed/test-default.sh).
 molecule: install
-	scripts/testbed/molecule.sh test -s default --destroy never || { scripts/testbed/molecule.sh destroy -s default; exit 1; }
-	rc=0; $(BIN)/pytest -q -m testbed $(ARGS) || rc=$$?; scripts/testbed/molecule.sh destroy -s default; exit $$rc
+	scripts/testbed/test-default.sh $(ARGS)
 
 test-vm: install
 	scripts/testbed/molecule.sh test -s vm
