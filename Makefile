@@ -55,12 +55,13 @@ test-fast: install
 	$(BIN)/pytest -q -m "not testbed" $(ARGS)
 
 # create -> converge -> idempotence -> verify, then the launcher and preflight tests on the live
-# bed, then destroy; on failure the last lines name the failing step (scripts/testbed/test-default.sh).
+# bed, then destroy; on failure the last lines name the failing step (scripts/testbed/run-scenario.sh).
 molecule: install
-	scripts/testbed/test-default.sh $(ARGS)
+	scripts/testbed/run-scenario.sh default $(ARGS)
 
+# The same site.yml on 3 QEMU VMs with real kernels (about 21 min with the VM image cached).
 test-vm: install
-	scripts/testbed/molecule.sh test -s vm
+	scripts/testbed/run-scenario.sh vm
 
 test: lint test-fast molecule
 	@if [ "$${RUN_VM_TESTS:-0}" = 1 ]; then $(MAKE) test-vm; fi

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# `make molecule` and `make test-vm`: one Molecule scenario end to end, then destroy whatever happened
+# (images and the wheelhouse stay cached for the next run).
+#   run-scenario.sh default [PYTEST_ARGS...]   containers; between verify and destroy, the launcher
+#                                              and preflight tests run on the live bed (pytest -m testbed)
+#   run-scenario.sh vm                         QEMU VMs with real kernels
+# CI shows only the end of the output, so the last lines say what failed: the failing step's fatal
+# lines are repeated after the (otherwise long) destroy output, which goes to a log file.
+set -uo pipefail
+source "$(dirname "$0")/lib.sh"
+
+scenario="${1:?usage: $0 default|vm [PYTEST_ARGS...]}"
+shift
+logs="$repo_root/.cache/testbed-logs/$scenario"
+mkdir -p "$logs"
+
+destroy() {
+  "$testbed_dir/molecule.sh" destroy -s "$scenario" >"$logs/destroy.log" 2>&1 \
+    || log "destroy failed, see $logs/destroy.log"
+}
+
+fail() {
+  local what=$1 logfile=$2
+  destroy
+  log "FAILED: $what. Full output: $logfile. The failing lines:"
+  grep -E 'fatal: |FAILED!|failed=[1-9]|ERROR|Error|Traceback|assert|msg: |^E  ' "$logfile" | tail -n 40 >&2
+  exit 1
+}
+
+started=$SECONDS
+"$testbed_dir/molecule.sh" test -s "$scenario" --destroy never 2>&1 | tee "$logs/molecule.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || fail "molecule test -s $scenario" "$logs/molecule.log"
+
+if [ "$scenario" = default ]; then
+  "$repo_root/.venv/bin/pytest" -q -m testbed "$@" 2>&1 | tee "$logs/pytest-testbed.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "pytest -m testbed" "$logs/pytest-testbed.log"
+fi
+
+destroy
+log "scenario $scenario passed in $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s"
