@@ -23,7 +23,7 @@ fail() {
   local what=$1 logfile=$2
   destroy
   log "FAILED: $what. Full output: $logfile. The failing lines:"
-  grep -E 'fatal: |FAILED!|failed=[1-9]|ERROR|Error|Traceback|assert|msg: |^E  ' "$logfile" | tail -n 40 >&2
+  grep -E -A3 'fatal: |\[ERROR\]|^ERROR|Traceback|^E  |^FAILED ' "$logfile" | tail -n 40 >&2
   exit 1
 }
 
