@@ -77,11 +77,11 @@ def interleaved_worker(steps: int) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainer import distributed
-    from trainer.config import load_config
-    from trainer.data import ShardedBatches, load_corpus
-    from trainer.engines import create_engine
-    from trainer.model import GPT
+    from trainer.node import distributed
+    from trainer.node.config import load_config
+    from trainer.node.data import ShardedBatches, load_corpus
+    from trainer.node.engines import create_engine
+    from trainer.node.model import GPT
 
     config = load_config(None, [f"train.micro_batch_size={MICRO_BATCH}", f"data.block_size={BLOCK}"])
     topology = distributed.discover("gloo")
@@ -89,7 +89,12 @@ def interleaved_worker(steps: int) -> None:
     corpus = load_corpus(config.data)
     torch.manual_seed(1337)
     engine = create_engine(
-        config, topology, GPT(config.model, vocab_size=len(corpus.vocab), block_size=BLOCK), bf16=False
+        config.train,
+        config.distributed,
+        Path(config.output_dir),
+        topology,
+        GPT(config.model, vocab_size=len(corpus.vocab), block_size=BLOCK),
+        bf16=False,
     )
     batches = ShardedBatches(
         corpus,
@@ -129,9 +134,9 @@ def worker(steps: int) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainer.config import ModelConfig
-    from trainer.data import DataConfig, load_corpus
-    from trainer.model import GPT
+    from trainer.node.config import ModelConfig
+    from trainer.node.data import DataConfig, load_corpus
+    from trainer.node.model import GPT
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

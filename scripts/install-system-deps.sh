@@ -7,6 +7,7 @@ packages=(
   iperf3 libiperf0          # bandwidth checks (preflight) through the iperf3 Python wrapper
   podman runc                # the Molecule test bed: containers with systemd (runc: crun fails here)
   netavark aardvark-dns      # podman networking with DNS, so test-bed containers reach each other by name
+  iptables                   # netavark programs the containers' NAT and forwarding rules with it
   debootstrap                # builds the test bed's base image; no registry is reachable
   openssh-client rsync       # Ansible over SSH, wheelhouse copies
   g++                        # DeepSpeed compiles a small shm op on first init

@@ -9,7 +9,7 @@ import pytest
 
 from trainer import exitcodes
 from trainer.cli import main
-from trainer.config import DEFAULT_CONFIG, ConfigError, TrainerConfig, load_config
+from trainer.node.config import DEFAULT_CONFIG, ConfigError, TrainerConfig, load_config
 
 
 def test_embedded_default_yaml_matches_the_dataclass_defaults():
@@ -181,8 +181,9 @@ def test_help_does_not_import_torch():
     import sys
 
     code = (
-        "import sys, argparse; from trainer import train; train.configure_parser(argparse.ArgumentParser()); "
-        "from trainer.config import load_config; load_config(None); print('torch' in sys.modules)"
+        "import sys, argparse; from trainer.node import train; "
+        "train.configure_parser(argparse.ArgumentParser()); "
+        "from trainer.node.config import load_config; load_config(None); print('torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"

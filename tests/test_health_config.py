@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from trainer.config import load_config
 from trainer.configerror import ConfigError
-from trainer.health import HealthConfig
+from trainer.node.config import load_config
+from trainer.node.health import HealthConfig
 
 SECRET = "s3cr3t"
 
@@ -98,7 +98,7 @@ def test_only_an_explicit_request_keeps_the_url_and_a_redacted_copy_is_refused(t
 
 
 def test_overrides_shown_to_a_user_hide_the_webhook_url():
-    from trainer.health.config import redact_override
+    from trainer.redaction import redact_override
 
     assert redact_override(f"health.webhook_url=https://h.example.invalid/{SECRET}") == (
         "health.webhook_url=<redacted>"

@@ -14,7 +14,7 @@ import pytest
 from health_webhook_server import WebhookServer
 
 from trainer import exitcodes
-from trainer.health import (
+from trainer.node.health import (
     CircuitBreaker,
     GpuFaultError,
     HealthConfig,
@@ -22,7 +22,7 @@ from trainer.health import (
     is_cuda_error,
     start_monitor,
 )
-from trainer.health.readings import FaultFileError, FileFaultSource, GpuReading
+from trainer.node.health.readings import FaultFileError, FileFaultSource, GpuReading
 
 
 def fault_file(tmp_path, *lines: dict) -> str:
@@ -170,7 +170,7 @@ def test_a_loop_stuck_after_a_fault_is_ended_by_the_monitor_with_75(tmp_path):
     script = textwrap.dedent(
         f"""
         import time
-        from trainer.health import HealthConfig, start_monitor
+        from trainer.node.health import HealthConfig, start_monitor
         config = HealthConfig(fault_source={source!r}, poll_interval_s=0.05, fault_exit_grace_s=0.5)
         start_monitor(config, rank=0, local_rank=0, cuda_device=None, host="stuck")
         time.sleep(60)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from trainer.health import CircuitBreaker, HealthConfig
-from trainer.health.readings import NvmlSource, SourceUnavailable
+from trainer.node.health import CircuitBreaker, HealthConfig
+from trainer.node.health.readings import NvmlSource, SourceUnavailable
 
 
 @pytest.fixture

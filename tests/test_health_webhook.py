@@ -9,8 +9,8 @@ import time
 import pytest
 from health_webhook_server import WebhookServer, closed_port_url
 
-from trainer.health import Fault, HealthConfig, WebhookSender
-from trainer.health.webhook import backoff_total_s
+from trainer.node.health import Fault, HealthConfig, WebhookSender
+from trainer.node.health.config import backoff_total_s
 
 SECRET = "s3cr3t-token-do-not-log"
 

@@ -1,4 +1,4 @@
-"""trainer.runner: real ansible-playbook runs against inventory/local (this machine)."""
+"""trainer.controller.runner: real ansible-playbook runs against inventory/local (this machine)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.runner import run_playbook
+from trainer.controller.runner import run_playbook
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_INVENTORY = REPO / "inventory" / "local"

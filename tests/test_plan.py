@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from trainer.cli import main
-from trainer.launcher.plan import PlanError, make_plan
-from trainer.launcher.topology import TopologyError
+from trainer.controller.launcher.plan import PlanError, make_plan
+from trainer.controller.launcher.topology import TopologyError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from trainer.preflight import bandwidth, clock, compare, network, ssh
-from trainer.preflight.report import FAIL, PASS, WARN
+from trainer.controller.preflight import bandwidth, clock, compare, network, ssh
+from trainer.controller.preflight.report import FAIL, PASS, WARN
 
 
 @pytest.mark.parametrize("count", range(1, 10))
@@ -164,7 +164,7 @@ def test_ssh_diagnosis_names_the_cause_and_never_suggests_disabling_host_keys():
 def _cluster(**per_host):
     from pathlib import Path
 
-    from trainer.inventory import Cluster, Host
+    from trainer.controller.inventory import Cluster, Host
 
     def host(name):
         return Host(name, {"cluster_accelerators": 0, "cluster_accelerator_model": "cpu",
@@ -180,7 +180,7 @@ def _no_answer(host):
 
 
 def test_versions_name_the_worker_and_the_package_that_differ():
-    from trainer.preflight import nodes
+    from trainer.controller.preflight import nodes
 
     same = {
         "python": "3.11.2",
@@ -201,7 +201,7 @@ def test_versions_name_the_worker_and_the_package_that_differ():
 
 
 def test_accelerators_must_match_the_inventory_and_each_other():
-    from trainer.preflight import nodes
+    from trainer.controller.preflight import nodes
 
     gpu = {"count": 8, "models": ["NVIDIA H100 80GB HBM3"] * 8, "source": "nvidia-smi"}
     inventory = {"cluster_accelerators": 8, "cluster_accelerator_model": "NVIDIA H100 80GB HBM3"}
@@ -215,7 +215,7 @@ def test_accelerators_must_match_the_inventory_and_each_other():
 
 
 def test_shared_dir_names_a_worker_whose_file_the_head_cannot_see_and_a_wrong_uid():
-    from trainer.preflight import storage
+    from trainer.controller.preflight import storage
 
     writes = {
         "head": {"uid": 2000, "error": ""},
@@ -236,7 +236,7 @@ def test_shared_dir_names_a_worker_whose_file_the_head_cannot_see_and_a_wrong_ui
 
 
 def test_a_node_that_did_not_answer_fails_every_check_with_the_reason():
-    from trainer.preflight import storage
+    from trainer.controller.preflight import storage
 
     results = storage.data(_cluster(), {"head": {"data": {"path": "p", "sha256": "a" * 64}}}, _no_answer)
     failed = {r.subject: r.detail for r in results if r.status == FAIL}

@@ -15,10 +15,10 @@ from trainer import __version__, exitcodes
 
 #: verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("trainer.train", "run one training worker (alone, or under torchrun/deepspeed/accelerate)"),
-    "plan": ("trainer.launcher.plan", "print the topology derived from an inventory; touches nothing"),
-    "launch": ("trainer.launcher.launch", "start the trainer on every host of an inventory"),
-    "preflight": ("trainer.preflight.cli", "check a cluster before launching and name the fixes"),
+    "train": ("trainer.node.train", "run one training worker (alone or under torchrun/deepspeed/accelerate)"),
+    "plan": ("trainer.controller.launcher.plan", "print the topology from an inventory; touches nothing"),
+    "launch": ("trainer.controller.launcher.launch", "start the trainer on every host of an inventory"),
+    "preflight": ("trainer.controller.preflight.cli", "check a cluster before launching and name the fixes"),
 }
 
 

@@ -1,0 +1,311 @@
+"""`trainer plan -i INVENTORY`: the job a launch would start, printed; nothing is touched.
+
+A JobPlan joins the topology (ranks, master, NCCL settings, from the inventory) with the trainer's
+configuration (batch sizes, engine), validated on the controller without torch, and the command
+each node runs. `trainer launch` starts exactly what `trainer plan` shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from trainer import exitcodes
+from trainer.controller.inventory import Cluster, InventoryError, load_cluster
+from trainer.controller.launcher.topology import AUTO_IFNAME, Node, Topology, TopologyError, build_topology
+from trainer.redaction import redact_override
+
+ENGINES = ("ddp", "deepspeed", "accelerate")
+DEFAULT_RUN_NAME = "default"
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class PlanError(ValueError):
+    """The job cannot be planned; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    topology: Topology
+    run_name: str
+    engine: str
+    shared_dir: str
+    training_venv: str
+    training_user: str
+    config_source: str
+    """Where the trainer config came from: a controller path, or "embedded default"."""
+    overrides: tuple[str, ...]
+    """The `--set` list applied to the config, launcher-derived ones first, the user's last."""
+    config: dict[str, Any] = field(repr=False)
+    """The resolved trainer config, secrets redacted (for showing)."""
+    node_config: dict[str, Any] = field(repr=False)
+    """The same with its secrets (the webhook URL): what every node trains with. Never printed."""
+
+    @property
+    def has_secrets(self) -> bool:
+        return self.node_config != self.config
+
+    @property
+    def output_dir(self) -> str:
+        return str(PurePosixPath(self.shared_dir) / "runs" / self.run_name)
+
+    @property
+    def launch_dir(self) -> str:
+        """Files the launcher writes for the run: config, DeepSpeed JSON, hostfile, node logs."""
+        return str(PurePosixPath(self.output_dir) / "launch")
+
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.config["train"]["micro_batch_size"])
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config["train"]["gradient_accumulation_steps"])
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.micro_batch_size * self.topology.world_size * self.gradient_accumulation_steps
+
+    def node_command(self, node: Node) -> list[str]:
+        """The per-node launcher: torchrun with a static rendezvous on the head's master port.
+
+        Static (not c10d) because it gives every node the rank the plan shows (c10d orders nodes
+        by address) and keeps all rendezvous traffic on MASTER_PORT, the port the firewall opens.
+        All three engines start this way; the trainer picks DDP, DeepSpeed or accelerate from
+        `distributed.engine` (both read the torchrun environment).
+        """
+        topo = self.topology
+        venv = PurePosixPath(self.training_venv)
+        return [
+            str(venv / "bin" / "torchrun"),
+            f"--nnodes={topo.nnodes}",
+            f"--nproc-per-node={topo.gpus_per_node}",
+            f"--node-rank={node.node_rank}",
+            f"--master-addr={topo.master_addr}",
+            f"--master-port={topo.master_port}",
+            "--max-restarts=0",
+            "--no-python",
+            str(venv / "bin" / "trainer"),
+            "train",
+            "--config",
+            str(PurePosixPath(self.launch_dir) / "config.yaml"),
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.topology.as_dict(),
+            "run_name": self.run_name,
+            "engine": self.engine,
+            "output_dir": self.output_dir,
+            "training_venv": self.training_venv,
+            "training_user": self.training_user,
+            "config_source": self.config_source,
+            "overrides": [redact_override(o) for o in self.overrides],
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "effective_batch_size": self.effective_batch_size,
+            "commands": {n.host: self.node_command(n) for n in self.topology.nodes},
+        }
+
+
+def _config_path(cluster: Cluster, cli_config: str | None) -> Path | None:
+    raw = cli_config or str(cluster.head.get("training_config") or "")
+    if not raw:
+        return None
+    path = Path(raw).expanduser()
+    # training_config in the inventory may be relative to the inventory directory.
+    candidates = [path] if path.is_absolute() or cli_config else [path, cluster.inventory / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    source = "--config" if cli_config else "training_config"
+    raise PlanError(f"{source}: trainer config {raw} does not exist; give the path of a trainer YAML file")
+
+
+def _absolute(cluster: Cluster, var: str) -> str:
+    value = str(cluster.head.get(var) or "")
+    if not value.startswith("/"):
+        raise PlanError(
+            f"{var} must be an absolute path on the nodes (got {value!r}); set it in group_vars/cluster"
+        )
+    return value.rstrip("/") or "/"
+
+
+def make_plan(
+    inventory: str | Path,
+    config: str | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
+    engine: str | None = None,
+    run_name: str = DEFAULT_RUN_NAME,
+) -> JobPlan:
+    """Everything `trainer launch` needs, checked; raises InventoryError, TopologyError or PlanError."""
+    if not _RUN_NAME.fullmatch(run_name):
+        raise PlanError(
+            f"--run-name {run_name!r} is not a valid run name; use letters, digits, '.', '_' or '-' "
+            "(at most 64, starting with a letter or digit)"
+        )
+    for item in overrides:
+        if "=" not in item:
+            raise PlanError(f"--set {item!r}: expected section.key=value, e.g. train.max_steps=100")
+        if item.split("=", 1)[0].strip() == "output_dir":
+            raise PlanError(
+                "--set output_dir is not allowed with trainer launch: the run goes to "
+                "<cluster_shared_dir>/runs/<run name> so every node sees it; use --run-name instead"
+            )
+    if engine is not None and engine not in ENGINES:
+        raise PlanError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    cluster = load_cluster(inventory)
+    topology = build_topology(cluster)
+    shared_dir = _absolute(cluster, "cluster_shared_dir")
+    venv = _absolute(cluster, "training_venv")
+    config_path = _config_path(cluster, config)
+
+    # Inventory settings first, the user's --set after them (last one wins), --engine last of all.
+    derived: list[str] = []
+    user_sets_engine = any(o.split("=", 1)[0].strip() == "distributed.engine" for o in overrides)
+    inventory_engine = str(cluster.head.get("training_engine") or "")
+    if inventory_engine and not engine and not user_sets_engine:
+        derived.append(f"distributed.engine={inventory_engine}")
+    zero_stage = cluster.head.get("training_zero_stage")
+    if zero_stage not in (None, ""):
+        derived.append(f"distributed.zero_stage={zero_stage}")
+    # The seed guides' "increase the NCCL timeout": the trainer's process-group timeout.
+    derived.append(f"distributed.timeout_s={topology.nccl_timeout_s}")
+    data_path = str(cluster.head.get("cluster_data_path") or "")
+    if data_path:
+        derived.append(f"data.path={data_path}")
+    final = [*derived, *overrides]
+    if engine:
+        final.append(f"distributed.engine={engine}")
+    run_dir = str(PurePosixPath(shared_dir) / "runs" / run_name)
+    final.append(f"output_dir={run_dir}")
+
+    # The trainer's own loader: the same checks `trainer train` makes, before anything starts.
+    from trainer.configerror import ConfigError
+    from trainer.node.config import load_config
+
+    try:
+        loaded = load_config(config_path, final)
+    except ConfigError as err:
+        raise PlanError(f"trainer config: {err}") from None
+    return JobPlan(
+        topology=topology,
+        run_name=run_name,
+        engine=str(loaded.distributed.engine),
+        shared_dir=shared_dir,
+        training_venv=venv,
+        training_user=str(cluster.head.get("cluster_training_user") or ""),
+        config_source=str(config_path) if config_path else "embedded default",
+        overrides=tuple(final),
+        config=loaded.to_dict(),
+        node_config=loaded.to_dict(secrets=True),
+    )
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by `trainer plan` and `trainer launch`."""
+    parser.add_argument("-i", "--inventory", required=True, help="inventory directory or file")
+    parser.add_argument("--config", help="trainer YAML config on this machine (default: training_config)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one trainer config value, e.g. --set train.max_steps=100 (repeatable)",
+    )
+    parser.add_argument("--engine", choices=ENGINES, help="override distributed.engine")
+    parser.add_argument(
+        "--run-name",
+        default=DEFAULT_RUN_NAME,
+        help="output goes to <cluster_shared_dir>/runs/<run name>; a relaunch with the same name "
+        "resumes from its latest checkpoint (default: %(default)s)",
+    )
+
+
+def plan_from_args(args: argparse.Namespace) -> JobPlan:
+    return make_plan(args.inventory, args.config, tuple(args.overrides), args.engine, args.run_name)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    add_job_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def print_plan(plan: JobPlan, console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    topo = plan.topology
+    summary = Table(title=f"Training job from {topo.inventory}", show_header=False, title_justify="left")
+    summary.add_column("setting", style="bold")
+    summary.add_column("value")
+    ifnames = {n.nccl_socket_ifname for n in topo.nodes}
+    ifname = (
+        "auto (resolved at launch: =<interface holding cluster_ip>)"
+        if ifnames == {AUTO_IFNAME}
+        else ", ".join(sorted(ifnames))
+    )
+    for key, value in (
+        ("NNODES", topo.nnodes),
+        ("MASTER_ADDR", topo.master_addr),
+        ("MASTER_PORT", topo.master_port),
+        ("GPUS_PER_NODE", topo.gpus_per_node),
+        ("world size", topo.world_size),
+        ("engine", plan.engine),
+        (
+            "effective batch size",
+            f"{plan.effective_batch_size} = micro batch {plan.micro_batch_size} × world "
+            f"{topo.world_size} × accumulation {plan.gradient_accumulation_steps}",
+        ),
+        ("NCCL_SOCKET_IFNAME", ifname),
+        ("NCCL_IB_DISABLE", topo.nccl_ib_disable),
+        ("NCCL_DEBUG", topo.nccl_debug),
+        ("collective timeout", f"{topo.nccl_timeout_s} s (distributed.timeout_s)"),
+        ("trainer config", plan.config_source),
+        ("output dir", plan.output_dir),
+    ):
+        summary.add_row(key, str(value))
+    console.print(summary)
+    nodes = Table(title="Nodes", title_justify="left")
+    for column in ("NODE_RANK", "host", "address", "global ranks"):
+        nodes.add_column(column)
+    for node in topo.nodes:
+        ranks = node.global_ranks(topo.gpus_per_node)
+        nodes.add_row(
+            str(node.node_rank),
+            node.host,
+            node.address,
+            f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start),
+        )
+    console.print(nodes)
+    console.print(
+        f"[bold]Per-node commands[/bold] (trainer launch writes them to {plan.launch_dir}/node-N/run.sh):"
+    )
+    for node in topo.nodes:
+        console.print(
+            f"  node {node.node_rank} ({node.host}): {shlex.join(plan.node_command(node))}", soft_wrap=True
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_from_args(args)
+    except (InventoryError, TopologyError, PlanError) as err:
+        print(f"trainer plan: {err}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=2))
+    else:
+        print_plan(plan)
+    return exitcodes.OK

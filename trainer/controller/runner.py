@@ -1,0 +1,322 @@
+"""The project's one way to run an Ansible playbook from Python: ansible-runner, events as they come.
+
+API::
+
+    from trainer.controller.runner import run_playbook
+
+    result = run_playbook(
+        "path/to/play.yml",               # absolute or relative to the current directory
+        "inventory/local",                 # inventory directory or file
+        extravars={"key": "value"},        # passed as -e @file, never on the command line
+        on_event=print,                    # called on the caller's thread with each event dict, once
+        cancel=threading.Event(),          # set it to stop the run (ansible-playbook is terminated)
+        limit="head", tags="probe",        # optional --limit / --tags
+    )
+    result.status                          # "successful" | "failed" | "canceled" | "timeout"
+    result.rc                              # ansible-playbook's exit code (254 when canceled)
+    result.ok["localhost"]                 # [TaskResult, ...]: module return values in .result
+    result.task_result("localhost", "Read the version")   # last result of that task on that host
+    result.failed, result.unreachable      # host -> [TaskResult, ...]
+    result.first_failure                   # the first failed/unreachable TaskResult, or None
+    result.output                          # the tail of ansible-playbook's own output (syntax errors)
+
+Why it looks like this (the known ansible-runner traps):
+- events are copied onto a queue by the runner's thread and handed to `on_event` on the caller's
+  thread, so a slow handler (a live view) never stalls the run; events can repeat, so they are
+  deduplicated by uuid;
+- the run gets a temporary private_data_dir, removed afterwards: its `artifacts/<id>/command` file
+  holds the run's whole environment, so only ANSIBLE_* variables and a short allow-list are passed
+  on (the environment is filtered in the status handler, which ansible-runner calls with
+  `runner_config=` before it writes that file and starts the process);
+- `ansible-playbook` is looked up on PATH, so the running interpreter's bin directory goes first;
+- ansible-runner turns host key checking off unless told otherwise; here it stays on unless the
+  caller's own environment sets ANSIBLE_HOST_KEY_CHECKING;
+- a canceled run's ansible-playbook outlives ansible-runner's kill (it runs in a session of its own),
+  so every process of a run carries CLUSTERTRAIN_RUNNER_ID in its environment and whatever still
+  carries it when the run ends is terminated. On a local connection that includes processes a task
+  started: one that must outlive the run (a detached trainer) must drop that variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Variables passed to ansible-playbook besides ANSIBLE_*: what SSH, podman and Python need to work.
+ENV_ALLOW_LIST = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TERM",
+        "TMPDIR",
+        "TZ",
+        "SSH_AUTH_SOCK",
+        "XDG_RUNTIME_DIR",
+        "CONTAINERS_CONF",
+        "CONTAINER_HOST",
+        "VIRTUAL_ENV",
+        # set by ansible-runner itself for its callback plugin
+        "AWX_ISOLATED_DATA_DIR",
+        "RUNNER_OMIT_EVENTS",
+        "RUNNER_ONLY_FAILED_EVENTS",
+        "PYTHONUNBUFFERED",
+    }
+)
+
+#: How often (seconds) ansible-runner looks at the cancel flag.
+CANCEL_POLL_S = 0.5
+#: Marks the processes of one run: ansible-runner's cancel kills the process it spawned, but
+#: ansible-playbook (ansible-core 2.19) runs in a session of its own and outlives that, with its
+#: workers and, on local connections, the modules they run.
+RUN_MARKER = "CLUSTERTRAIN_RUNNER_ID"
+
+_RESULT_EVENTS = {
+    "runner_on_ok": "ok",
+    "runner_on_failed": "failed",
+    "runner_on_unreachable": "unreachable",
+    "runner_on_skipped": "skipped",
+}
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """One task's outcome on one host, with the module's return values (`result`)."""
+
+    host: str
+    task: str
+    action: str
+    status: str
+    result: dict[str, Any] = field(repr=False)
+    ignore_errors: bool = False
+
+    @property
+    def message(self) -> str:
+        """The most telling text of a result: msg and stderr (a command's msg alone says little)."""
+        parts = [str(self.result.get(key) or "").strip() for key in ("msg", "stderr")]
+        text = ": ".join(p for p in parts if p)
+        return text or str(self.result.get("stdout") or "").strip()
+
+
+@dataclass
+class PlaybookResult:
+    """What a playbook run did, per host."""
+
+    status: str
+    rc: int
+    results: list[TaskResult] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    output: str = ""
+
+    def _by_status(self, status: str) -> dict[str, list[TaskResult]]:
+        grouped: dict[str, list[TaskResult]] = {}
+        for item in self.results:
+            if item.status == status:
+                grouped.setdefault(item.host, []).append(item)
+        return grouped
+
+    @property
+    def ok(self) -> dict[str, list[TaskResult]]:
+        return self._by_status("ok")
+
+    @property
+    def failed(self) -> dict[str, list[TaskResult]]:
+        """Failures that stopped a host (failures under ignore_errors are left out)."""
+        return {
+            host: kept
+            for host, items in self._by_status("failed").items()
+            if (kept := [i for i in items if not i.ignore_errors])
+        }
+
+    @property
+    def unreachable(self) -> dict[str, list[TaskResult]]:
+        return self._by_status("unreachable")
+
+    @property
+    def first_failure(self) -> TaskResult | None:
+        for item in self.results:
+            if item.status == "unreachable" or (item.status == "failed" and not item.ignore_errors):
+                return item
+        return None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "successful" and self.rc == 0
+
+    def task_result(self, host: str, task: str) -> TaskResult | None:
+        """The last result of the task named `task` on `host` (any status), or None."""
+        for item in reversed(self.results):
+            if item.host == host and item.task == task:
+                return item
+        return None
+
+
+def filtered_environment(env: Mapping[str, str], bin_dir: str | None = None) -> dict[str, str]:
+    """Keep ANSIBLE_* and the allow-list; put `bin_dir` first on PATH; keep host key checking on."""
+    kept = {k: v for k, v in env.items() if k.startswith("ANSIBLE_") or k in ENV_ALLOW_LIST}
+    if bin_dir:
+        rest = [p for p in kept.get("PATH", os.defpath).split(os.pathsep) if p and p != bin_dir]
+        kept["PATH"] = os.pathsep.join([bin_dir, *rest])
+    if "ANSIBLE_HOST_KEY_CHECKING" not in os.environ:
+        kept["ANSIBLE_HOST_KEY_CHECKING"] = "True"
+    return kept
+
+
+def _marked_processes(marker: str) -> list[int]:
+    """Our own processes whose environment holds `marker` (NAME=value)."""
+    wanted = marker.encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if wanted in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _end_processes(marker: str, grace_s: float = 3.0) -> None:
+    """TERM what is left of a run, KILL what survives `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = [pid for pid in _marked_processes(marker) if pid != os.getpid()]
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+            time.sleep(0.1)
+
+
+def _task_result(event: dict[str, Any], status: str) -> TaskResult:
+    data = event.get("event_data", {})
+    return TaskResult(
+        host=str(data.get("host", "")),
+        task=str(data.get("task", "")),
+        action=str(data.get("task_action", "")),
+        status=status,
+        result=dict(data.get("res") or {}),
+        ignore_errors=bool(data.get("ignore_errors")),
+    )
+
+
+def run_playbook(
+    playbook: str | os.PathLike[str],
+    inventory: str | os.PathLike[str],
+    extravars: Mapping[str, Any] | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    cancel: threading.Event | None = None,
+    limit: str | None = None,
+    tags: str | None = None,
+    *,
+    timeout_s: float | None = None,
+    verbosity: int = 0,
+    env: Mapping[str, str] | None = None,
+) -> PlaybookResult:
+    """Run `playbook` against `inventory` and return what happened on each host.
+
+    Blocks until the run ends; `on_event` is called on this thread for each event as it arrives.
+    `env` adds variables (e.g. ANSIBLE_FORKS) on top of the filtered environment.
+    KeyboardInterrupt cancels the run (ansible-playbook is terminated) and is then re-raised.
+    """
+    import ansible_runner  # imported here: heavy, and only the controller's run paths need it
+
+    playbook = Path(playbook).resolve()
+    inventory = Path(inventory).resolve()
+    if not playbook.is_file():
+        raise FileNotFoundError(f"playbook {playbook} does not exist")
+    cancel = cancel or threading.Event()
+    events: queue.Queue[dict[str, Any]] = queue.Queue()
+    bin_dir = str(Path(sys.executable).parent)
+    marker = f"{RUN_MARKER}={uuid.uuid4().hex}"
+
+    def copy_event(event: dict[str, Any]) -> bool:
+        events.put(event)
+        return True
+
+    def filter_env(status_data: dict[str, Any], runner_config: Any = None) -> None:
+        # "starting" comes before ansible-runner writes artifacts/<id>/command and spawns the process.
+        if status_data.get("status") == "starting" and runner_config is not None:
+            runner_config.env = {
+                **filtered_environment(runner_config.env, bin_dir),
+                **(env or {}),
+                RUN_MARKER: marker.split("=", 1)[1],
+            }
+
+    private_data_dir = tempfile.mkdtemp(prefix="clustertrain-runner-")
+    try:
+        thread, runner = ansible_runner.run_async(
+            private_data_dir=private_data_dir,
+            project_dir=str(playbook.parent),
+            playbook=str(playbook),
+            inventory=str(inventory),
+            extravars=dict(extravars or {}),
+            limit=limit,
+            tags=tags,
+            verbosity=verbosity or None,
+            json_mode=True,
+            quiet=True,
+            event_handler=copy_event,
+            status_handler=filter_env,
+            cancel_callback=cancel.is_set,
+            timeout=timeout_s,
+            settings={"pexpect_timeout": CANCEL_POLL_S},
+        )
+        results: list[TaskResult] = []
+        stats: dict[str, Any] = {}
+        seen: set[str] = set()
+
+        def handle(event: dict[str, Any]) -> None:
+            uuid = event.get("uuid")
+            if uuid:
+                if uuid in seen:
+                    return
+                seen.add(uuid)
+            name = event.get("event", "")
+            if name in _RESULT_EVENTS:
+                results.append(_task_result(event, _RESULT_EVENTS[name]))
+            elif name == "playbook_on_stats":
+                stats.update({k: v for k, v in event.get("event_data", {}).items() if isinstance(v, dict)})
+            if on_event is not None:
+                on_event(event)
+
+        try:
+            while thread.is_alive() or not events.empty():
+                try:
+                    handle(events.get(timeout=0.1))
+                except queue.Empty:
+                    continue
+        except BaseException:
+            cancel.set()
+            thread.join()
+            raise
+        thread.join()
+        output = ""
+        try:
+            with runner.stdout as stdout:
+                output = stdout.read()[-4000:]
+        except (OSError, AttributeError):
+            pass
+        rc = runner.rc if isinstance(runner.rc, int) else 1
+        return PlaybookResult(status=runner.status, rc=rc, results=results, stats=stats, output=output)
+    finally:
+        # After a cancel (or a crash of ansible-runner) ansible-playbook may still be running.
+        _end_processes(marker)
+        shutil.rmtree(private_data_dir, ignore_errors=True)

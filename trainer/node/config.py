@@ -1,0 +1,224 @@
+"""The trainer's configuration: one dataclass per section, loaded from YAML, overridden with `--set`.
+
+Each component owns its section (torchtitan style): `train` in `trainer.node.schedule`, `data` in
+`trainer.node.data`, `distributed` in `trainer.node.engines`, `checkpoint` in
+`trainer.node.checkpoint`, `health` in `trainer.node.health.config`; `model` lives here because
+`trainer.node.model` needs torch at import time and this module must stay light (the controller
+validates configs without torch). None of those modules imports this one (no import circles).
+Adding a section is a dataclass in its component and one field in `TrainerConfig`;
+loading, `--set` overrides, type checks and error messages are generic.
+
+Every value is checked before anything starts: an unknown key, a wrong type or an impossible value
+raises `ConfigError` naming the key (`train.max_steps`), and `trainer train` exits with CONFIG_ERROR.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from trainer.configerror import ConfigError, require
+from trainer.node.checkpoint import CheckpointConfig
+from trainer.node.data import DataConfig
+from trainer.node.engines import DistributedConfig
+from trainer.node.health.config import HealthConfig
+from trainer.node.schedule import TrainConfig
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The tiny char-level GPT (nanoGPT-style); its context length is `data.block_size`."""
+
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 64
+    """Width of the embeddings and of every block."""
+    dropout: float = 0.1
+    """Dropout probability during training (0 disables it)."""
+    bias: bool = False
+    """Biases in Linear and LayerNorm layers (False is slightly faster and as good)."""
+
+    def __post_init__(self) -> None:
+        require(self.n_layer >= 1, "n_layer", f"must be at least 1 (got {self.n_layer})")
+        require(self.n_head >= 1, "n_head", f"must be at least 1 (got {self.n_head})")
+        require(
+            self.n_embd >= 1 and self.n_embd % self.n_head == 0,
+            "n_embd",
+            f"must be a positive multiple of model.n_head={self.n_head} (got {self.n_embd})",
+        )
+        require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1) (got {self.dropout})")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The whole configuration: `output_dir` plus one field per section."""
+
+    output_dir: str = "output"
+    """Where run.json, metrics.jsonl, summary.json, ds_config.json and checkpoints/ go (relative paths
+    are relative to the working directory; on a cluster, a directory on the shared file system)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch sizes, optimizer, precision."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training text and how it is cut into samples."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model size."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Engine (ddp, deepspeed, accelerate) and its settings."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When to save, how many to keep, whether to resume."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """GPU health circuit breaker and its `gpu.fault` webhook."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.output_dir.strip()), "output_dir", "must not be empty")
+
+    def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
+        """Plain data. The webhook URL is a secret: redacted unless `secrets` (only for a config file
+        that a node trains with, e.g. the launcher's config.yaml; never for run.json or printing)."""
+        data = dataclasses.asdict(self)
+        if not secrets:
+            data["health"] = self.health.to_public_dict()
+        return data
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _check_type(key: str, value: Any, tp: Any) -> Any:
+    """Return value if it matches tp (ints are accepted for floats); raise ConfigError naming key."""
+    if typing.get_origin(tp) is Literal:
+        if value in typing.get_args(tp) and type(value) is not bool:
+            return value
+        raise ConfigError(key, f"must be one of {_type_name(tp)} (got {value!r})")
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        for option in typing.get_args(tp):
+            try:
+                return _check_type(key, value, option)
+            except ConfigError:
+                pass
+        raise ConfigError(key, f"must be {_type_name(tp)} (got {type(value).__name__} {value!r})")
+    if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        # YAML 1.1 reads `3e-4` (no dot) as a string; it is the way people write learning rates.
+        return float(value)
+    ok = {
+        type(None): value is None,
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(tp)
+    if ok is None:
+        raise TypeError(f"config field {key} has an unsupported type {tp!r}")
+    if not ok:
+        raise ConfigError(key, f"must be {_type_name(tp)} (got {type(value).__name__} {value!r})")
+    return float(value) if tp is float else value
+
+
+def _unknown_key(key: str, known: typing.Iterable[str]) -> ConfigError:
+    name = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"; did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}?" if close else ""
+    return ConfigError(key, f"unknown key{hint} (known: {', '.join(sorted(known))})")
+
+
+def _build(cls: type, values: Any, prefix: str) -> Any:
+    """Instantiate dataclass cls from a mapping, recursing into nested sections, checking every value."""
+    if not isinstance(values, dict):
+        raise ConfigError(prefix, f"must be a mapping of keys to values (got {type(values).__name__})")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            raise _unknown_key(key, fields)
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value if value is not None else {}, key)
+        else:
+            kwargs[name] = _check_type(key, value, tp)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(prefix) if prefix else err from None
+
+
+def _set_path(tree: dict[str, Any], dotted: str, raw: str, root_cls: type) -> None:
+    """Apply one `--set section.key=value`, parsing value as YAML (so 10, 0.5, true, null work)."""
+    parts = dotted.split(".")
+    cls, node = root_cls, tree
+    for i, part in enumerate(parts):
+        key = ".".join(parts[: i + 1])
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if part not in fields:
+            raise _unknown_key(key, fields)
+        tp = typing.get_type_hints(cls)[part]
+        last = i == len(parts) - 1
+        if dataclasses.is_dataclass(tp):
+            if last:
+                raise ConfigError(key, "is a section, not a value; set one of its keys")
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise ConfigError(key, f"must be a mapping of keys to values (got {node[part]!r})")
+            cls, node = tp, node[part]
+            continue
+        if not last:
+            raise ConfigError(key, f"is a value, not a section (cannot set {dotted})")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        # `--set data.path=123` means the string "123": a str key takes the text as written.
+        wants_str = tp is str or (isinstance(tp, types.UnionType) and str in typing.get_args(tp))
+        if wants_str and value is not None and not isinstance(value, str):
+            value = raw
+        node[part] = value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> TrainerConfig:
+    """Read YAML (default: the embedded default), apply `key=value` overrides, validate everything."""
+    source = Path(path) if path else DEFAULT_CONFIG
+    try:
+        text = source.read_text()
+    except OSError as err:
+        raise ConfigError("--config", f"cannot read {source}: {err.strerror or err}") from None
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError("--config", f"{source} is not valid YAML: {err}") from None
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError("--config", f"{source} must hold a mapping of sections (got {type(tree).__name__})")
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        if not sep or not dotted.strip():
+            raise ConfigError("--set", f"expected section.key=value (got {item!r})")
+        _set_path(tree, dotted.strip(), raw.strip(), TrainerConfig)
+    return _build(TrainerConfig, tree, "")
+
+
+def dump_config(config: TrainerConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -1,0 +1,112 @@
+"""Training engines behind one interface: `ddp`, `deepspeed`, `accelerate` (one small module each).
+
+An engine owns the wrapped model, the optimizer and the scheduler; the loop (trainer.node.loop) only
+calls `train_step`, `save`, `load`, `lr` and `parameter_checksum`, so the loop, checkpoints, metrics
+and resume are the same for all three. The process group is started before the engine
+(trainer.node.distributed); DeepSpeed and accelerate adopt it.
+
+The engine modules import torch/deepspeed/accelerate at the top and are imported only by `create_engine`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from trainer.configerror import require
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.node.distributed import Topology
+    from trainer.node.schedule import TrainConfig
+
+Batch = tuple["torch.Tensor", "torch.Tensor"]
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    engine: Literal["ddp", "deepspeed", "accelerate"] = "ddp"
+    """`ddp`: torch DistributedDataParallel; `deepspeed`: ZeRO (stage below); `accelerate`: HF accelerate."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage 1, 2 or 3 (deepspeed only). 2 is the multi-node choice; 3 needs a fast network."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Collective backend; auto = nccl with GPUs, gloo on the CPU."""
+    timeout_s: int = 1800
+    """How long a collective waits for the slowest rank before the run fails."""
+
+    def __post_init__(self) -> None:
+        require(self.zero_stage in (1, 2, 3), "zero_stage", f"must be 1, 2 or 3 (got {self.zero_stage})")
+        require(self.timeout_s >= 10, "timeout_s", f"must be at least 10 seconds (got {self.timeout_s})")
+
+
+class Engine:
+    """The interface every engine implements. `module` is the bare model (for checksums, state)."""
+
+    name = "base"
+    module: torch.nn.Module
+
+    def train_step(self, micro_batches: Iterable[Batch]) -> float:
+        """Forward/backward over gradient_accumulation_steps micro-batches, clip, optimizer and
+        scheduler step; returns this rank's mean loss over the micro-batches."""
+        raise NotImplementedError
+
+    def lr(self) -> float:
+        raise NotImplementedError
+
+    def save(self, directory: Path) -> None:
+        """Write model, optimizer and scheduler state into directory (called on every rank)."""
+        raise NotImplementedError
+
+    def load(self, directory: Path) -> None:
+        """Restore what `save` wrote (called on every rank)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Parameters complete on this rank inside the block (ZeRO-3 gathers them)."""
+        yield
+
+    def parameter_checksum(self) -> str:
+        """SHA-256 over this rank's parameters, bit for bit: equal on all ranks when they agree."""
+        import torch
+
+        digest = hashlib.sha256()
+        with self.full_parameters():
+            for name, param in sorted(self.module.named_parameters()):
+                digest.update(name.encode())
+                digest.update(param.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+
+def create_engine(
+    train: TrainConfig,
+    distributed: DistributedConfig,
+    output_dir: Path,
+    topology: Topology,
+    model: torch.nn.Module,
+    *,
+    bf16: bool,
+) -> Engine:
+    """The engine `distributed.engine` names, wrapping model; DeepSpeed writes its JSON to output_dir."""
+    engine = distributed.engine
+    if not topology.device.startswith("cuda"):
+        # Tell DeepSpeed (also imported by accelerate) it is on the CPU, instead of letting every rank
+        # print a warning that it detected no GPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if engine == "ddp":
+        from trainer.node.engines.ddp import DDPEngine
+
+        return DDPEngine(train, topology, model, bf16=bf16)
+    if engine == "deepspeed":
+        from trainer.node.engines.deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(train, distributed, output_dir, topology, model, bf16=bf16)
+    from trainer.node.engines.accelerate import AccelerateEngine
+
+    return AccelerateEngine(train, topology, model, bf16=bf16)

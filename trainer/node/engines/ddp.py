@@ -1,0 +1,65 @@
+"""torch DistributedDataParallel: gradients all-reduced once per optimizer step (no_sync before)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.node.engines import Batch, Engine
+from trainer.node.optim import build_optimizer
+
+STATE_FILE = "ddp_state.pt"
+
+
+class DDPEngine(Engine):
+    name = "ddp"
+
+    def __init__(self, train, topology, model: torch.nn.Module, bf16: bool = False):
+        self.config = train
+        self.topology = topology
+        self.module = model.to(topology.device)
+        device_type = torch.device(topology.device).type
+        self.autocast = lambda: torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
+        device_ids = [topology.local_rank] if topology.device.startswith("cuda") else None
+        self.model = DistributedDataParallel(self.module, device_ids=device_ids)
+        self.optimizer, self.scheduler = build_optimizer(self.module, self.config)
+
+    def train_step(self, micro_batches: Iterable[Batch]) -> float:
+        accumulation = self.config.gradient_accumulation_steps
+        total = torch.zeros((), device=self.topology.device)
+        for index, (x, y) in enumerate(micro_batches):
+            # Only the last micro-batch all-reduces gradients; the others accumulate locally.
+            sync = index == accumulation - 1
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                with self.autocast():
+                    loss = self.model(x, y)
+                (loss / accumulation).backward()
+            total += loss.detach()
+        if self.config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total.item() / accumulation
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def save(self, directory: Path) -> None:
+        if self.topology.is_main:  # replicas are identical: one copy is the whole state
+            state = {
+                "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            }
+            torch.save(state, directory / STATE_FILE)
+
+    def load(self, directory: Path) -> None:
+        state = torch.load(directory / STATE_FILE, map_location=self.topology.device, weights_only=True)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

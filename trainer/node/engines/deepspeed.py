@@ -1,0 +1,95 @@
+"""DeepSpeed ZeRO 1/2/3. The DeepSpeed JSON is generated from the trainer config and written to
+OUTPUT_DIR/ds_config.json, so the user sees (and can reuse) exactly what ran. Checkpoints go through
+DeepSpeed's own save_checkpoint/load_checkpoint (each rank writes its optimizer shard)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+
+from trainer.node.engines import Batch, Engine
+from trainer.node.optim import build_optimizer
+
+CHECKPOINT_TAG = "deepspeed"
+
+
+def deepspeed_config(train, distributed, world_size: int, bf16: bool) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
+        "gradient_clipping": train.grad_clip,
+        "zero_optimization": {"stage": distributed.zero_stage},
+        "bf16": {"enabled": bf16},
+        # The trainer's AdamW and LR schedule are passed in, so all engines optimize the same way.
+        "zero_allow_untested_optimizer": True,
+        # The trainer prints its own step lines; DeepSpeed's would interleave from every rank.
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+
+    def __init__(
+        self, train, distributed, output_dir: Path, topology, model: torch.nn.Module, bf16: bool = False
+    ):
+        # DeepSpeed logs every rank's set-up at INFO; warnings and errors still come through.
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        # DeepSpeed's ZeRO uses collectives torch has renamed; the warnings say nothing to the user.
+        warnings.filterwarnings(
+            "ignore", message=r".*torch\.distributed\.\w+_tensor` is deprecated", category=FutureWarning
+        )
+        deepspeed.init_distributed(dist_backend=topology.backend)  # adopts the existing process group
+        self.topology = topology
+        self.ds_config = deepspeed_config(train, distributed, topology.world_size, bf16)
+        if topology.is_main:
+            path = Path(output_dir) / "ds_config.json"
+            path.write_text(json.dumps(self.ds_config, indent=2) + "\n")
+        optimizer, scheduler = build_optimizer(model, train)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
+        )
+        self.module = self.engine.module
+
+    def train_step(self, micro_batches: Iterable[Batch]) -> float:
+        # DeepSpeed scales each loss by 1/accumulation, reduces gradients and steps the optimizer and
+        # scheduler (with clipping) at the accumulation boundary by itself.
+        total, count = 0.0, 0
+        for x, y in micro_batches:
+            loss = self.engine(x, y)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.item()
+            count += 1
+        return total / count
+
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        if self.ds_config["zero_optimization"]["stage"] == 3:
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters())):
+                yield
+        else:
+            yield
+
+    def save(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}/{CHECKPOINT_TAG}")

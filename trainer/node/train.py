@@ -1,0 +1,270 @@
+"""`trainer train`: one training worker, alone or under torchrun / deepspeed / accelerate launch.
+
+Order matters: the config and the data are checked on every rank before the process group starts,
+so a bad value fails fast and identically everywhere (rank 0 says why) instead of one rank hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import TYPE_CHECKING
+
+from trainer import exitcodes
+
+if TYPE_CHECKING:
+    from trainer.node.config import TrainerConfig
+    from trainer.node.loop import StepHook
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", metavar="FILE", help="YAML config (default: the embedded configs/default.yaml)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set train.max_steps=200 (repeatable; values are YAML)",
+    )
+    # The `deepspeed` launcher appends --local_rank=N; the rank comes from the environment (LOCAL_RANK).
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config and the dataset sizing for this world size, print the resolved config, "
+        "train nothing",
+    )
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _error(message: str) -> None:
+    # Every rank finds the same problem; one copy of the message is enough.
+    if _rank() == 0:
+        print(f"trainer: {message}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainer.node.config import ConfigError, dump_config, load_config
+    from trainer.node.data import DataError, read_text, required_repeats
+    from trainer.node.distributed import world_size_from_env
+
+    try:
+        config = load_config(args.config, args.overrides)
+        world_size = world_size_from_env()
+        if args.dry_run:
+            samples = (len(read_text(config.data.path)) - 1) // config.data.block_size
+            repeats, note = required_repeats(
+                samples,
+                config.data,
+                config.train.micro_batch_size,
+                world_size,
+                config.train.gradient_accumulation_steps,
+            )
+            print(dump_config(config), end="")
+            print(
+                f"# world size {world_size}: {samples} samples × {repeats} repeats; "
+                f"{note or 'the dataset fills the effective batch'}"
+            )
+            return exitcodes.OK
+        from trainer.node.data import load_corpus
+
+        corpus = load_corpus(config.data)
+        repeats, note = required_repeats(
+            corpus.num_samples,
+            config.data,
+            config.train.micro_batch_size,
+            world_size,
+            config.train.gradient_accumulation_steps,
+        )
+    except ConfigError as err:
+        _error(f"config error: {err}")
+        return exitcodes.CONFIG_ERROR
+    except DataError as err:
+        _error(f"data error: {err}")
+        return exitcodes.DATA_ERROR
+    try:
+        return train(config, corpus, repeats=repeats, notes=[note] if note else [])
+    except ConfigError as err:  # checkpoint.resume naming a bad path is found once the run starts
+        _error(f"config error: {err}")
+        return exitcodes.CONFIG_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+def train(
+    config: TrainerConfig, corpus, *, repeats: int, notes: list[str], hooks: list[StepHook] | None = None
+) -> int:
+    """Start the process group, build model and engine, resume, run the loop, leave cleanly."""
+    import random
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from trainer.node import distributed
+    from trainer.node.checkpoint import (
+        CheckpointWriter,
+        check_resumable,
+        find_resume_point,
+        resume_fingerprint,
+    )
+    from trainer.node.config import ConfigError, dump_config
+    from trainer.node.data import ShardedBatches
+    from trainer.node.engines import create_engine
+    from trainer.node.health import start_monitor
+    from trainer.node.loop import Trainer
+    from trainer.node.metrics import RUN_FILE, Reporter
+    from trainer.node.model import GPT
+
+    topology = distributed.discover(config.distributed.backend)
+    output_dir = Path(config.output_dir)
+    reporter = Reporter(output_dir, enabled=topology.is_main, max_steps=config.train.max_steps)
+    resume_from, resume_note = find_resume_point(config.checkpoint, output_dir)
+    if resume_from is not None:
+        check_resumable(resume_from, config, world_size=topology.world_size)
+    distributed.start(topology, config.distributed.timeout_s)
+    try:
+        _check_output_dir_is_shared(output_dir, topology)
+    except ConfigError:
+        distributed.shutdown(clean=True)  # every rank found the same problem: they leave together
+        raise
+    clean = False
+    on_gpu = topology.device.startswith("cuda")
+    health = start_monitor(
+        config.health,
+        rank=topology.rank,
+        local_rank=topology.local_rank,
+        cuda_device=topology.local_rank if on_gpu else None,
+        host=topology.hostname,
+        say=reporter.info,
+    )
+    try:
+        for note in [*notes, resume_note]:
+            if note:
+                reporter.info(note)
+        bf16 = config.train.mixed_precision == "bf16" or (
+            config.train.mixed_precision == "auto"
+            and torch.cuda.is_available()
+            and torch.cuda.is_bf16_supported()
+        )
+        # Same seed everywhere for the initial weights; then a per-rank offset so dropout differs.
+        seed = config.train.seed
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        model = GPT(config.model, vocab_size=len(corpus.vocab), block_size=config.data.block_size)
+        parameter_count = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
+        if config.train.compile:
+            model.compile()
+        engine = create_engine(config.train, config.distributed, output_dir, topology, model, bf16=bf16)
+        random.seed(seed + topology.rank)
+        np.random.seed(seed + topology.rank)
+        torch.manual_seed(seed + topology.rank)
+        batches = ShardedBatches(
+            corpus,
+            repeats=repeats,
+            micro_batch_size=config.train.micro_batch_size,
+            rank=topology.rank,
+            world_size=topology.world_size,
+            seed=seed,
+            device=topology.device,
+        )
+        hosts = distributed.gather(topology.to_dict())
+        reporter.write_json(
+            RUN_FILE,
+            {
+                "config": config.to_dict(),
+                "topology": {
+                    "world_size": topology.world_size,
+                    "num_nodes": topology.num_nodes,
+                    "engine": config.distributed.engine,
+                    "backend": topology.backend,
+                    "device": topology.device,
+                    "bf16": bf16,
+                    "ranks": hosts,
+                },
+                "data": {
+                    "path": config.data.path or "pydoc_data.topics (bundled)",
+                    "characters": len(corpus.ids),
+                    "vocab_size": len(corpus.vocab),
+                    "samples": corpus.num_samples,
+                    "repeats": repeats,
+                    "effective_batch": config.train.micro_batch_size
+                    * topology.world_size
+                    * config.train.gradient_accumulation_steps,
+                },
+            },
+        )
+        reporter.info(
+            f"training {parameter_count:,} parameters with "
+            f"{config.distributed.engine} on {topology.world_size} process(es), "
+            f"{topology.num_nodes} node(s), {topology.device}"
+            f"{', bf16' if bf16 else ''}; output in {output_dir}"
+        )
+        if topology.is_main and os.environ.get("TRAINER_PRINT_CONFIG"):
+            print(dump_config(config), end="")
+        checkpoints = CheckpointWriter(
+            config.checkpoint, output_dir, rank=topology.rank, barrier=distributed.barrier, log=reporter.info
+        )
+        checkpoints.remove_leftovers()
+        trainer = Trainer(
+            train_config=config.train,
+            tokens_per_sample=config.data.block_size,
+            save_steps=config.checkpoint.save_steps,
+            fingerprint=resume_fingerprint(config),
+            topology=topology,
+            engine=engine,
+            batches=batches,
+            checkpoints=checkpoints,
+            reporter=reporter,
+            resume_from=resume_from,
+            hooks=(*(hooks or ()), *health.step_hooks(on_gpu=on_gpu)),
+        )
+        code = trainer.train()
+        clean = True  # every rank got here with the same code: leaving together is safe
+        return code
+    except Exception as error:
+        # A CUDA error in the step, or any error after this rank's GPU faulted: exit 75, not 1.
+        if (code := health.exit_code_for(error, on_gpu=on_gpu)) is not None:
+            return code
+        print(f"trainer: rank {topology.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return exitcodes.FAILURE
+    finally:
+        health.stop()
+        distributed.shutdown(clean)
+
+
+def _check_output_dir_is_shared(output_dir, topology) -> None:
+    """Every rank must see what rank 0 writes in output_dir: checkpoints are written by all ranks into
+    a directory rank 0 creates, and resume reads `latest` on every node. A node-local path on a
+    multi-node run fails here, at once, with the fix, instead of at the first checkpoint."""
+    import uuid
+
+    from trainer.node import distributed
+    from trainer.node.config import ConfigError
+
+    token = distributed.gather(uuid.uuid4().hex if topology.is_main else None)[0]
+    marker = output_dir / f".shared-check-{token}"
+    if topology.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    distributed.barrier()
+    sees = distributed.gather((marker.exists(), topology.hostname))
+    distributed.barrier()
+    if topology.is_main:
+        marker.unlink()
+    blind = [f"rank {rank} on {host}" for rank, (seen, host) in enumerate(sees) if not seen]
+    if blind:
+        raise ConfigError(
+            "output_dir",
+            f"{', '.join(blind)} cannot see the files rank 0 writes in {output_dir}: put output_dir on a "
+            "file system shared by all nodes, mounted at the same path (the cluster's shared directory)",
+        )
