@@ -5,68 +5,86 @@ SHELL := /bin/bash
 VENV      ?= .venv
 PYTHON    ?= python3
 BIN       := $(VENV)/bin
-# torch is installed first, pinned: on a machine without a GPU this is the CPU build on disk;
-# an open range with no torch present would pull a multi-GB CUDA build.
+# torch for this machine as a node (make train): installed first, pinned. On a machine without a GPU
+# this is the CPU build on disk; an open range with no torch present would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 INVENTORY ?= inventory/local
 ARGS      ?=
 export PATH := $(abspath $(BIN)):$(PATH)
+PIP := $(BIN)/pip install -q --disable-pip-version-check
 
-.PHONY: help install system-deps train provision preflight test test-fast molecule test-vm lint bench clean
+.PHONY: help install install-train install-dev system-deps train provision preflight test test-fast molecule test-vm lint bench clean
 
 help:
+	@echo "make install     the controller: Ansible, ansible-runner (no torch)"
 	@echo "make train       train the embedded default on INVENTORY (default: inventory/local)"
 	@echo "make test        lint, fast tests, then the Molecule multi-host test bed"
 	@echo "make provision   ansible-playbook site.yml -i INVENTORY"
 	@echo "make preflight   check the cluster before a launch (report in output/preflight.json)"
-	@echo "make lint | bench | molecule | install | clean"
+	@echo "make lint | bench | molecule | test-vm | install-train | install-dev | clean"
 
+# Who needs what (scripts/system-packages.txt has the Debian packages, pyproject.toml the Python ones):
+#   install        the controller: provision, launch and preflight a cluster; no torch
+#   install-train  + the training stack: this machine trains too (make train, inventory/local)
+#   install-dev    + test and lint tools and the test bed's packages (make test)
 system-deps:
-	@scripts/install-system-deps.sh
+	@scripts/install-system-deps.sh controller
 
-install: system-deps $(VENV)/.installed
+install: system-deps $(VENV)/.installed-controller
+install-train: install $(VENV)/.installed-train
+install-dev: install-train $(VENV)/.installed-dev
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed-controller: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[train,dev]"
+	$(PIP) --upgrade pip
+	$(PIP) -e .
 	touch $@
 
-train: install
+$(VENV)/.installed-train: $(VENV)/.installed-controller
+	@scripts/install-system-deps.sh train
+	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e ".[train]"
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed-train
+	@scripts/install-system-deps.sh testbed
+	$(PIP) -e ".[train,dev]"
+	touch $@
+
+train: install-train
 	$(BIN)/trainer launch -i $(INVENTORY) $(ARGS)
 
 provision: install
 	$(BIN)/ansible-playbook site.yml -i $(INVENTORY) $(ARGS)
 
 # The embedded default's shared dir is the repo's output/, which a fresh clone does not have yet.
-preflight: install
+preflight: $(if $(filter inventory/local,$(INVENTORY)),install-train,install)
 	$(if $(filter inventory/local,$(INVENTORY)),mkdir -p output)
 	$(BIN)/trainer preflight -i $(INVENTORY) $(ARGS)
 
-lint: install
+lint: install-dev
 	$(BIN)/ruff check trainer tests bench
 	$(BIN)/ruff format --check trainer tests bench
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint --profile production
 
 # pytest exit code 5 (no tests collected) fails like any other error.
-test-fast: install
+test-fast: install-dev
 	$(BIN)/pytest -q -m "not testbed" $(ARGS)
 
 # create -> converge -> idempotence -> verify, then the launcher and preflight tests on the live
 # bed, then destroy; on failure the last lines name the failing step (scripts/testbed/run-scenario.sh).
-molecule: install
+molecule: install-dev
 	scripts/testbed/run-scenario.sh default $(ARGS)
 
 # The same site.yml on 3 QEMU VMs with real kernels (about 21 min with the VM image cached).
-test-vm: install
+test-vm: install-dev
 	scripts/testbed/run-scenario.sh vm
 
 test: lint test-fast molecule
 	@if [ "$${RUN_VM_TESTS:-0}" = 1 ]; then $(MAKE) test-vm; fi
 
-bench: install
+bench: install-dev
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:

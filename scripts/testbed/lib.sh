@@ -25,18 +25,16 @@ debian_mirror() {
   printf '%s\n' "$uri"
 }
 
-# Installs the Debian packages the test bed needs on the controller when any is missing (quiet and
-# instant when all are there). netavark + aardvark-dns: podman installed without recommends falls
-# back to CNI networks, which have no DNS, so containers could not find each other by name.
+# Installs the named groups of scripts/system-packages.txt (the project's one package list) when
+# any of their packages is missing; quiet and instant when all are there.
 ensure_host_packages() {
-  local missing=() pkg
-  for pkg in "$@"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-  done
-  [ ${#missing[@]} -eq 0 ] && return 0
-  [ "$(id -u)" -eq 0 ] || die "missing Debian packages: ${missing[*]} (apt-get install them as root)"
-  log "installing Debian packages: ${missing[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
-    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-      --no-install-recommends "${missing[@]}" >/dev/null; }
+  [ "$(id -u)" -eq 0 ] || {
+    local missing
+    missing="$("$repo_root/scripts/install-system-deps.sh" --list "$@" | while read -r pkg; do
+      dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || echo "$pkg"
+    done | tr '\n' ' ')"
+    [ -z "$missing" ] || die "missing Debian packages: $missing(run scripts/install-system-deps.sh $* as root)"
+    return 0
+  }
+  "$repo_root/scripts/install-system-deps.sh" "$@"
 }

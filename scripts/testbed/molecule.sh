@@ -21,11 +21,11 @@ for i in "${!args[@]}"; do
   esac
 done
 
-ensure_host_packages podman runc netavark aardvark-dns debootstrap
+ensure_host_packages testbed
 if [ "$scenario" != vm ]; then
   "$testbed_dir/build-image.sh"
 fi
-"$testbed_dir/wheelhouse.sh" "$CLUSTERTRAIN_WHEELHOUSE"
+"$repo_root/scripts/wheelhouse.sh" "$CLUSTERTRAIN_WHEELHOUSE"
 
 cd "$repo_root"
 exec molecule "$@"

@@ -25,7 +25,7 @@ if [ "${FORCE:-0}" != 1 ] && [ -f "$cache/base-$recipe.qcow2" ] && [ -f "$cache/
 fi
 
 [ "$(id -u)" -eq 0 ] || die "debootstrap and chroot need root"
-ensure_host_packages qemu-utils debootstrap e2fsprogs
+ensure_host_packages vm
 for tool in debootstrap mkfs.ext4 qemu-img; do
   command -v "$tool" >/dev/null || die "$tool is missing"
 done

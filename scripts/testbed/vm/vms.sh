@@ -30,7 +30,7 @@ ensure_netns() {
 }
 
 prepare() {
-  ensure_host_packages qemu-system-x86 qemu-utils debootstrap e2fsprogs
+  ensure_host_packages vm
   recipe="$("$vm_dir/build-vm-image.sh")"
   ensure_netns
   mkdir -p "$state"
