@@ -241,3 +241,26 @@ def test_a_node_that_did_not_answer_fails_every_check_with_the_reason():
     results = storage.data(_cluster(), {"head": {"data": {"path": "p", "sha256": "a" * 64}}}, _no_answer)
     failed = {r.subject: r.detail for r in results if r.status == FAIL}
     assert set(failed) == {"w1", "w2"} and "no answer from w1" in failed["w1"]
+
+
+def test_a_gpu_node_whose_torch_sees_no_gpu_fails_naming_the_build_and_the_driver():
+    """nvidia-smi lists all 8 GPUs, but the venv has the CPU build of torch: the trainer would train on
+    the CPU. Preflight names the host, the torch build and the driver."""
+    from trainer.controller.preflight import nodes
+
+    gpu = {"count": 8, "models": ["NVIDIA H100 80GB HBM3"] * 8, "source": "nvidia-smi", "driver": "580.95"}
+    inventory = {"cluster_accelerators": 8, "cluster_accelerator_model": "NVIDIA H100 80GB HBM3"}
+    cuda = {"torch": "2.13.0+cu126", "torch_cuda": "12.6", "torch_gpus": 8}
+    facts = {
+        "head": {"accelerators": gpu, "versions": cuda},
+        "w1": {"accelerators": gpu, "versions": cuda},
+        "w2": {"accelerators": gpu, "versions": {"torch": "2.13.0+cpu", "torch_cuda": None, "torch_gpus": 0}},
+    }
+    results = nodes.accelerators(_cluster(head=inventory, w1=inventory, w2=inventory), facts, _no_answer)
+    failed = [r for r in results if r.status == FAIL]
+    assert [r.subject for r in failed] == ["w2"]
+    assert "torch sees 0 of the 8 GPU(s)" in failed[0].detail
+    assert "torch 2.13.0+cpu (CPU build)" in failed[0].detail and "driver 580.95" in failed[0].detail
+    assert "training_torch_index_url_cuda" in failed[0].fix
+    passed = {r.subject: r.detail for r in results if r.status == PASS and "torch sees" in r.detail}
+    assert passed["head"] == "torch sees 8 GPU(s): torch 2.13.0+cu126 (CUDA 12.6 build), driver 580.95"

@@ -52,6 +52,7 @@ def _error(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainer.node.accelerators import AcceleratorMismatch, check_visible_gpus
     from trainer.node.config import ConfigError, dump_config, load_config
     from trainer.node.data import DataError, read_text, required_repeats
     from trainer.node.distributed import world_size_from_env
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
         world_size = world_size_from_env()
+        if not args.dry_run:
+            check_visible_gpus()
         if args.dry_run:
             samples = (len(read_text(config.data.path)) - 1) // config.data.block_size
             repeats, note = required_repeats(
@@ -86,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
         )
     except ConfigError as err:
         _error(f"config error: {err}")
+        return exitcodes.CONFIG_ERROR
+    except AcceleratorMismatch as err:
+        # Each node finds its own problem: its first process says it (rank 0 may be on a good node).
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"trainer: {err}", file=sys.stderr, flush=True)
         return exitcodes.CONFIG_ERROR
     except DataError as err:
         _error(f"data error: {err}")

@@ -5,7 +5,8 @@ variable pins a host to a rank. Every node runs the same number of processes (to
 `--nproc-per-node`), so the global ranks of node N are N*GPUS_PER_NODE ... N*GPUS_PER_NODE+G-1.
 Everything a node needs to join the job is in `Topology.node_env(node)`: the variables the seed
 guides tell users to export by hand on every machine (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
-GPUS_PER_NODE) plus the NCCL settings from group_vars.
+GPUS_PER_NODE) plus the NCCL settings from group_vars. Two settings can say `auto` and are then
+resolved on each node at launch: the NCCL interface and NCCL_IB_DISABLE.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.controller.inventory import Cluster, Host
+from trainer.controller.training_env import IB_AUTO, ib_disable_problem, ib_disable_value
 
 #: cluster_nccl_socket_ifname value that means "the interface holding the host's cluster_ip".
 AUTO_IFNAME = "auto"
@@ -49,7 +51,8 @@ class Topology:
     """Sorted by node rank; nodes[0] is the head."""
     master_port: int
     gpus_per_node: int
-    nccl_ib_disable: int
+    nccl_ib_disable: int | str
+    """0, 1 or `auto` (resolved at launch: 0 when every node lists InfiniBand/RoCE devices)."""
     nccl_debug: str
     nccl_timeout_s: int
 
@@ -75,12 +78,16 @@ class Topology:
                 return node
         raise KeyError(host)
 
-    def node_env(self, node: Node, resolved_ifname: str | None = None) -> dict[str, str]:
+    def node_env(
+        self, node: Node, resolved_ifname: str | None = None, resolved_ib_disable: int | None = None
+    ) -> dict[str, str]:
         """The environment that makes `node` join the job (strings, ready for export).
 
         `resolved_ifname` is the interface found on the host when the inventory says `auto`; without
-        it NCCL_SOCKET_IFNAME is left out (NCCL then picks an interface by itself).
+        it NCCL_SOCKET_IFNAME is left out (NCCL then picks an interface by itself). Likewise
+        `resolved_ib_disable` for NCCL_IB_DISABLE `auto` (left out: NCCL probes by itself).
         """
+        ib_disable = resolved_ib_disable if self.nccl_ib_disable == IB_AUTO else self.nccl_ib_disable
         env = {
             "NNODES": str(self.nnodes),
             "NODE_RANK": str(node.node_rank),
@@ -88,12 +95,16 @@ class Topology:
             "MASTER_PORT": str(self.master_port),
             "GPUS_PER_NODE": str(self.gpus_per_node),
             "WORLD_SIZE": str(self.world_size),
-            "NCCL_IB_DISABLE": str(self.nccl_ib_disable),
+            # The node's GPU count per the inventory: the trainer refuses to start when torch sees
+            # fewer (a CPU build, an old driver) instead of training on the CPU.
+            "CLUSTER_NODE_GPUS": str(int(node.vars.get("cluster_accelerators", 0) or 0)),
             "NCCL_DEBUG": self.nccl_debug,
             # A collective that times out (cluster_nccl_timeout_s, the trainer's
             # distributed.timeout_s) aborts the process instead of hanging it.
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         }
+        if ib_disable is not None:
+            env["NCCL_IB_DISABLE"] = str(ib_disable)
         ifname = resolved_ifname if node.nccl_socket_ifname == AUTO_IFNAME else node.nccl_socket_ifname
         if ifname:
             env["NCCL_SOCKET_IFNAME"] = ifname
@@ -218,6 +229,22 @@ def _common_int(cluster: Cluster, var: str, default: int) -> int:
     return next(iter(values.values()))
 
 
+def _ib_disable(cluster: Cluster) -> int | str:
+    values = {}
+    for host in cluster.hosts:
+        raw = host.get("cluster_nccl_ib_disable")
+        if problem := ib_disable_problem(raw):
+            raise TopologyError(f"host {host.name}: {problem}")
+        values[host.name] = ib_disable_value(raw)
+    if len(set(values.values())) > 1:
+        detail = ", ".join(f"{h}={v}" for h, v in values.items())
+        raise TopologyError(
+            f"cluster_nccl_ib_disable differs between hosts ({detail}); NCCL needs one transport for "
+            "the whole job: set it once in group_vars/cluster (auto decides per cluster at launch)"
+        )
+    return next(iter(values.values()))
+
+
 def build_topology(cluster: Cluster) -> Topology:
     """Check the inventory's training settings and derive the topology; raises TopologyError."""
     procs = {host.name: _procs_per_node(host) for host in cluster.hosts}
@@ -251,7 +278,7 @@ def build_topology(cluster: Cluster) -> Topology:
         nodes=tuple(nodes),
         master_port=master_port,
         gpus_per_node=next(iter(procs.values())),
-        nccl_ib_disable=_common_int(cluster, "cluster_nccl_ib_disable", 1),
+        nccl_ib_disable=_ib_disable(cluster),
         nccl_debug=str(head.get("cluster_nccl_debug") or "WARN"),
         nccl_timeout_s=_common_int(cluster, "cluster_nccl_timeout_s", 1800),
     )

@@ -63,6 +63,9 @@ def accelerators(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[R
             )
         else:
             results.append(Result(check, host.name, PASS, shown, data={"count": count, "model": model}))
+        results += torch_sees_the_gpus(
+            host, expected[0], fact, (facts.get(host.name) or {}).get("versions") or {}
+        )
     reference, odd = odd_ones(seen, cluster.head.name)
     for name in odd:
         count, model = seen[name]
@@ -77,6 +80,42 @@ def accelerators(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[R
             )
         )
     return results
+
+
+def torch_sees_the_gpus(host, expected: int, smi: dict[str, Any], found: dict[str, Any]) -> list[Result]:
+    """The inventory gives the node GPUs: does the training venv's torch see them? (nvidia-smi can
+    list every GPU while a CPU build of torch, or a driver older than its CUDA, sees none.)"""
+    if expected <= 0 or found.get("error") or not ("torch_gpus" in found or "torch_error" in found):
+        return []  # a CPU node; or no venv or no torch facts, which the versions check reports
+    check = "accelerators"
+    driver = smi.get("driver") or smi.get("source", "no driver")
+    if found.get("torch_error"):
+        return [
+            Result(
+                check,
+                host.name,
+                FAIL,
+                f"torch does not import in {host.get('training_venv', '?')}: {found['torch_error']}",
+                fix=f"reinstall the venv on {host.name}: ansible-playbook site.yml --tags trainer_env",
+            )
+        ]
+    visible = int(found.get("torch_gpus") or 0)
+    cuda = found.get("torch_cuda")
+    build = f"torch {found.get('torch')} ({f'CUDA {cuda} build' if cuda else 'CPU build'})"
+    if visible >= expected:
+        return [Result(check, host.name, PASS, f"torch sees {visible} GPU(s): {build}, driver {driver}")]
+    return [
+        Result(
+            check,
+            host.name,
+            FAIL,
+            f"torch sees {visible} of the {expected} GPU(s) the inventory gives this node: {build}, "
+            f"driver {driver}",
+            fix="install the CUDA build of torch that matches the driver (training_torch_index_url_cuda, "
+            "then ansible-playbook site.yml --tags trainer_env) or update the driver",
+            data={"torch_gpus": visible, "torch_cuda": found.get("torch_cuda"), "driver": driver},
+        )
+    ]
 
 
 def versions(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[Result]:

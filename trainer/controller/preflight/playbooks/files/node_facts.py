@@ -26,6 +26,14 @@ for label, dist in (("torch", "torch"), ("deepspeed", "deepspeed"), ("accelerate
         out[label] = metadata.version(dist)
     except metadata.PackageNotFoundError:
         out[label] = None
+# What the trainer will see: a CPU build of torch, or a driver older than the build's CUDA, shows
+# 0 GPUs here while nvidia-smi lists them all.
+try:
+    import torch
+    out["torch_cuda"] = torch.version.cuda
+    out["torch_gpus"] = torch.cuda.device_count()
+except Exception as err:  # noqa: BLE001 - any failure to import torch is the finding
+    out["torch_error"] = f"{type(err).__name__}: {err}"[:300]
 try:
     import hashlib
     from pydoc_data.topics import topics
@@ -54,14 +62,21 @@ def accelerators():
         return {"source": "no nvidia-smi", "count": 0, "models": []}
     try:
         out = subprocess.run(
-            [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+            [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         return {"source": "nvidia-smi", "error": str(err)}
     if out.returncode != 0:
         return {"source": "nvidia-smi", "error": (out.stderr or out.stdout).strip()[-500:]}
-    models = [line.strip() for line in out.stdout.splitlines() if line.strip()]
-    return {"source": "nvidia-smi", "count": len(models), "models": models}
+    rows = [
+        [part.strip() for part in line.rsplit(",", 1)] for line in out.stdout.splitlines() if line.strip()
+    ]
+    models = [row[0] for row in rows]
+    drivers = sorted({row[1] for row in rows if len(row) > 1})
+    return {"source": "nvidia-smi", "count": len(models), "models": models, "driver": ", ".join(drivers)}
 
 
 def versions(venv):
