@@ -3,6 +3,8 @@
 `trainer plan` and `trainer preflight` run on a controller that has no torch; `trainer train` runs on
 the nodes. Importing a verb's module only when it is asked for keeps each of them light.
 Each verb module provides `configure_parser(parser)` and `run(args) -> int` (the exit code).
+A module with `TAKES_COMMAND = True` gets everything after the first `--` as `args.command`, as
+given: the user's own command (its options are never read as ours).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from trainer import __version__, exitcodes
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trainer.node.train", "run one training worker (alone or under torchrun/deepspeed/accelerate)"),
     "plan": ("trainer.controller.launcher.plan", "print the topology from an inventory; touches nothing"),
-    "launch": ("trainer.controller.launcher.launch", "start the trainer on every host of an inventory"),
+    "launch": (
+        "trainer.controller.launcher.launch",
+        "start the trainer, or your own command, on every host of an inventory",
+    ),
     "preflight": ("trainer.controller.preflight.cli", "check a cluster before launching and name the fixes"),
 }
 
@@ -45,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"trainer {verb}", description=help_text)
     module.configure_parser(parser)
+    command: list[str] = []
+    if getattr(module, "TAKES_COMMAND", False) and "--" in rest:
+        split = rest.index("--")
+        rest, command = rest[:split], rest[split + 1 :]
     args = parser.parse_args(rest)
+    if getattr(module, "TAKES_COMMAND", False):
+        args.command = command
     return int(module.run(args) or exitcodes.OK)
 
 

@@ -1,9 +1,11 @@
-"""`trainer launch -i INVENTORY`: start the trainer on every host at once and follow it to the end.
+"""`trainer launch -i INVENTORY [-- COMMAND]`: start the trainer, or the user's own command, on every
+host at once and follow it to the end.
 
 Three playbooks, all through trainer.controller.runner (ansible-runner):
-- start.yml checks every node (venv, the interface for NCCL/gloo, no run of the same name still
-  running), writes the run's files on the head (config, DeepSpeed JSON, hostfile, accelerate
-  configs) and starts each node's torchrun detached in its own process group;
+- start.yml checks every node (venv, the interface for NCCL/gloo, InfiniBand devices, no run of the
+  same name still running, the command's working directory and program), writes the run's files on
+  the head (config, DeepSpeed JSON, hostfile, accelerate configs), keeps the previous launch's logs
+  and starts each node's run.sh (torchrun, or the command) detached in its own process group;
 - watch.yml polls every node (state, exit record, new log lines) until its trainer ends, each poll
   streamed as an event: rank 0's lines and a state line per host are shown as they come;
 - stop.yml stops the process group on every node. It runs as soon as any host fails, on Ctrl-C,
@@ -22,70 +24,28 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from trainer import exitcodes
 from trainer.controller.inventory import InventoryError
+from trainer.controller.launcher.launchfiles import launch_files
 from trainer.controller.launcher.live import JobMonitor, LiveView, describe
-from trainer.controller.launcher.plan import JobPlan, PlanError, add_job_arguments, plan_from_args
+from trainer.controller.launcher.plan import (
+    COMMAND_EPILOG,
+    JobPlan,
+    PlanError,
+    add_job_arguments,
+    plan_from_args,
+)
 from trainer.controller.launcher.topology import AUTO_IFNAME, TopologyError
 from trainer.controller.runner import PlaybookResult, run_playbook
+from trainer.controller.training_env import IB_AUTO
 
 PLAYBOOKS = Path(__file__).parent / "playbooks"
 START_TASK = "Start the trainer in its own process group"
 BECOME_TASK = "Remember the interface and whether to become the training user"
 STOP_TASK = "Stop the trainer's process group"
 INTERRUPTED = 130
-
-
-def launch_files(plan: JobPlan) -> dict[str, str]:
-    """Files written into the run's launch dir on the shared dir: what ran, and how to run it by hand."""
-    topo = plan.topology
-    cfg = plan.config
-    train = cfg["train"]
-    on_gpu = all(int(n.vars.get("cluster_accelerators") or 0) > 0 for n in topo.nodes)
-    deepspeed = {
-        "train_batch_size": plan.effective_batch_size,
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-        "gradient_clipping": train.get("grad_clip", 1.0),
-        "zero_optimization": {"stage": int(cfg["distributed"].get("zero_stage", 2))},
-        "steps_per_print": train.get("log_every", 10),
-    }
-    files = {
-        # With its secrets (the webhook URL): node_ctl.py writes it readable by the training user only.
-        "config.yaml": "# The resolved trainer config every node of this run trains with.\n"
-        + yaml.safe_dump(plan.node_config, sort_keys=False),
-        "deepspeed.json": json.dumps(deepspeed, indent=2) + "\n",
-        "hostfile": "".join(f"{n.address} slots={topo.gpus_per_node}\n" for n in topo.nodes),
-    }
-    for node in topo.nodes:
-        accelerate = {
-            "compute_environment": "LOCAL_MACHINE",
-            "distributed_type": "MULTI_GPU" if on_gpu else "MULTI_CPU",
-            "machine_rank": node.node_rank,
-            "main_process_ip": topo.master_addr,
-            "main_process_port": topo.master_port,
-            "main_training_function": "main",
-            "mixed_precision": "no",
-            "num_machines": topo.nnodes,
-            "num_processes": topo.world_size,
-            "rdzv_backend": "static",
-            "same_network": True,
-            "use_cpu": not on_gpu,
-        }
-        files[f"accelerate-node{node.node_rank}.yaml"] = yaml.safe_dump(accelerate, sort_keys=False)
-    files["README.txt"] = (
-        f"Run {plan.run_name}, started by `trainer launch` ({topo.nnodes} nodes x {topo.gpus_per_node} "
-        f"processes, engine {plan.engine}).\n"
-        "  config.yaml              the resolved trainer config (trainer train --config config.yaml)\n"
-        "  node-N/run.sh, node-N/log  what ran on node N (its environment and torchrun line), its output\n"
-        "  deepspeed.json, hostfile   the same job for the DeepSpeed launcher:\n"
-        "      deepspeed --hostfile hostfile trainer train --config config.yaml\n"
-        "  accelerate-nodeN.yaml      the same job for accelerate, on node N:\n"
-        "      accelerate launch --config_file accelerate-nodeN.yaml trainer train --config config.yaml\n"
-    )
-    return files
+#: cli.py gives this verb what follows `--` as args.command (the user's own command).
+TAKES_COMMAND = True
 
 
 class Launcher:
@@ -119,11 +79,23 @@ class Launcher:
                     "node_rank": n.node_rank,
                     "address": n.address,
                     "ifname_auto": n.nccl_socket_ifname == AUTO_IFNAME,
-                    "env": topo.node_env(n),
+                    "env": plan.node_env(n),
+                    "secret_env": plan.node_secret_env(n),
+                    "workdir": plan.workdir(n),
                     "command": plan.node_command(n),
+                    # The head's files this node's command reads: wait until the shared dir shows them.
+                    "wait_for": [
+                        f"{plan.launch_dir}/config.yaml"
+                        if plan.runs_bundled_trainer
+                        else plan.accelerate_config_path(n)
+                    ],
                 }
                 for n in topo.nodes
             },
+            "launch_ib_auto": topo.nccl_ib_disable == IB_AUTO,
+            "launch_venv_needs": ["python", "torchrun", "trainer"]
+            if plan.runs_bundled_trainer
+            else ["python"],
             "launch_files": self.files,
             "launch_has_secrets": plan.has_secrets,
             "launch_become_hosts": self.become,
@@ -135,7 +107,10 @@ class Launcher:
     def _run(self, playbook: str, **kwargs: Any) -> PlaybookResult:
         extravars = self.extravars()
         if playbook != "start.yml":
+            # Only the start needs the files and secrets; the other playbooks never see them.
             extravars["launch_files"] = {}
+            for node in extravars["launch_nodes"].values():
+                node["secret_env"] = {}
         return run_playbook(
             PLAYBOOKS / playbook, self.plan.topology.inventory, extravars, env=self.env, **kwargs
         )
@@ -158,10 +133,12 @@ class Launcher:
 
     def launch(self, view: LiveView) -> int:
         plan, topo = self.plan, self.plan.topology
+        what = f"engine {plan.engine}" if plan.runs_bundled_trainer else "your command"
         view.message(
             f"Launching run [bold]{plan.run_name}[/bold] on {topo.nnodes} node(s) × {topo.gpus_per_node} "
-            f"process(es) (world size {topo.world_size}, engine {plan.engine}, master "
-            f"{topo.master_addr}:{topo.master_port}); output in {plan.output_dir}"
+            f"process(es) (world size {topo.world_size}, {what}, master "
+            f"{topo.master_addr}:{topo.master_port}); output in {plan.output_dir}, each node's log "
+            f"in {plan.launch_dir}/node-N/log"
         )
         monitor = JobMonitor({n.host: n.node_rank for n in topo.nodes}, topo.head.host, view)
         view.states(monitor.ordered)
@@ -176,6 +153,18 @@ class Launcher:
         for host in monitor.hosts:
             decided = start.task_result(host, BECOME_TASK)
             self.become[host] = bool(decided and decided.result.get("ansible_facts", {}).get("launch_become"))
+        if topo.nccl_ib_disable == IB_AUTO:
+            decided = start.task_result(topo.head.host, BECOME_TASK)
+            value = (decided.result.get("ansible_facts", {}) if decided else {}).get("launch_ib_disable")
+            view.message(
+                f"NCCL_IB_DISABLE auto: {value} ("
+                + (
+                    "InfiniBand/RoCE devices on every node"
+                    if str(value) == "0"
+                    else "not every node lists InfiniBand/RoCE devices in /sys/class/infiniband: TCP sockets"
+                )
+                + ")"
+            )
 
         cancel = threading.Event()
         interrupted = False
@@ -275,6 +264,7 @@ class Launcher:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_job_arguments(parser)
+    parser.epilog = COMMAND_EPILOG
     parser.add_argument(
         "--stop",
         action="store_true",

@@ -1,8 +1,11 @@
-"""`trainer plan -i INVENTORY`: the job a launch would start, printed; nothing is touched.
+"""`trainer plan -i INVENTORY [-- COMMAND]`: the job a launch would start, printed; nothing is touched.
 
 A JobPlan joins the topology (ranks, master, NCCL settings, from the inventory) with the trainer's
-configuration (batch sizes, engine), validated on the controller without torch, and the command
-each node runs. `trainer launch` starts exactly what `trainer plan` shows.
+configuration (batch sizes, engine, precision), validated on the controller without torch, and what
+each node runs: the bundled trainer under torchrun, or the user's own COMMAND (a script that reads
+NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and starts torchrun or `accelerate launch` itself), in
+its working directory and with its environment. `trainer launch` starts exactly what `trainer plan`
+shows.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import re
 import shlex
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -19,7 +23,16 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.inventory import Cluster, InventoryError, load_cluster
 from trainer.controller.launcher.topology import AUTO_IFNAME, Node, Topology, TopologyError, build_topology
-from trainer.redaction import redact_override
+from trainer.controller.training_env import (
+    IB_AUTO,
+    IB_DEVICES_DIR,
+    EnvError,
+    ExtraEnv,
+    parse_env_options,
+    parse_training_env,
+    workdir_problem,
+)
+from trainer.redaction import REDACTED, redact_env, redact_override
 
 ENGINES = ("ddp", "deepspeed", "accelerate")
 DEFAULT_RUN_NAME = "default"
@@ -46,10 +59,25 @@ class JobPlan:
     """The resolved trainer config, secrets redacted (for showing)."""
     node_config: dict[str, Any] = field(repr=False)
     """The same with its secrets (the webhook URL): what every node trains with. Never printed."""
+    user_command: tuple[str, ...] = ()
+    """The user's own command for every node; empty = the bundled trainer under torchrun."""
+    workdirs: Mapping[str, str] = field(default_factory=dict)
+    """Host -> the directory the command runs in (training_workdir, default the shared dir)."""
+    extra_env: Mapping[str, ExtraEnv] = field(default_factory=dict, repr=False)
+    """Host -> training_env with --env on top: the variables added to that node's environment."""
+
+    @property
+    def runs_bundled_trainer(self) -> bool:
+        return not self.user_command
+
+    @property
+    def config_has_secrets(self) -> bool:
+        return self.node_config != self.config
 
     @property
     def has_secrets(self) -> bool:
-        return self.node_config != self.config
+        """Whether anything sent to the nodes is secret (their Ansible tasks then run no_log)."""
+        return self.config_has_secrets or any(e.secret for e in self.extra_env.values())
 
     @property
     def output_dir(self) -> str:
@@ -59,6 +87,44 @@ class JobPlan:
     def launch_dir(self) -> str:
         """Files the launcher writes for the run: config, DeepSpeed JSON, hostfile, node logs."""
         return str(PurePosixPath(self.output_dir) / "launch")
+
+    @property
+    def deepspeed_config_path(self) -> str:
+        return str(PurePosixPath(self.launch_dir) / "deepspeed.json")
+
+    def accelerate_config_path(self, node: Node) -> str:
+        return str(PurePosixPath(self.launch_dir) / f"accelerate-node{node.node_rank}.yaml")
+
+    def workdir(self, node: Node) -> str:
+        return self.workdirs.get(node.host) or self.shared_dir
+
+    def node_env(
+        self, node: Node, resolved_ifname: str | None = None, resolved_ib_disable: int | None = None
+    ) -> dict[str, str]:
+        """What `node`'s command gets besides the secrets: the topology, the NCCL settings, the
+        generated files and the public part of training_env/--env (written into run.sh as is)."""
+        env = self.topology.node_env(node, resolved_ifname, resolved_ib_disable)
+        env["CLUSTER_OUTPUT_DIR"] = self.output_dir
+        env["DEEPSPEED_CONFIG"] = self.deepspeed_config_path
+        env["ACCELERATE_CONFIG_FILE"] = self.accelerate_config_path(node)
+        env.update(self.extra_env.get(node.host, ExtraEnv()).public)
+        return env
+
+    def node_secret_env(self, node: Node) -> dict[str, str]:
+        """The secret variables for `node` (never in run.sh, never printed)."""
+        return self.extra_env.get(node.host, ExtraEnv()).secrets
+
+    def shown_env(self, node: Node) -> dict[str, str]:
+        """`node`'s whole environment as `trainer plan` shows it: secrets redacted, `auto` settings
+        described as they will be resolved at launch."""
+        env = self.node_env(node)
+        if node.nccl_socket_ifname == AUTO_IFNAME:
+            env["NCCL_SOCKET_IFNAME"] = f"auto: =<the interface holding {node.address}> at launch"
+        if self.topology.nccl_ib_disable == IB_AUTO:
+            env["NCCL_IB_DISABLE"] = f"auto: 0 if every node lists devices in {IB_DEVICES_DIR}, else 1"
+        extra = self.extra_env.get(node.host, ExtraEnv())
+        env.update(redact_env(extra.secrets, extra.secret))
+        return env
 
     @property
     def micro_batch_size(self) -> int:
@@ -73,13 +139,16 @@ class JobPlan:
         return self.micro_batch_size * self.topology.world_size * self.gradient_accumulation_steps
 
     def node_command(self, node: Node) -> list[str]:
-        """The per-node launcher: torchrun with a static rendezvous on the head's master port.
+        """What runs on `node`: the user's command as given, or the bundled trainer under torchrun
+        with a static rendezvous on the head's master port.
 
         Static (not c10d) because it gives every node the rank the plan shows (c10d orders nodes
         by address) and keeps all rendezvous traffic on MASTER_PORT, the port the firewall opens.
         All three engines start this way; the trainer picks DDP, DeepSpeed or accelerate from
         `distributed.engine` (both read the torchrun environment).
         """
+        if self.user_command:
+            return list(self.user_command)
         topo = self.topology
         venv = PurePosixPath(self.training_venv)
         return [
@@ -98,18 +167,22 @@ class JobPlan:
         ]
 
     def as_dict(self) -> dict[str, Any]:
+        bundled = self.runs_bundled_trainer
         return {
             **self.topology.as_dict(),
             "run_name": self.run_name,
-            "engine": self.engine,
+            "engine": self.engine if bundled else None,
+            "user_command": list(self.user_command) or None,
             "output_dir": self.output_dir,
             "training_venv": self.training_venv,
             "training_user": self.training_user,
             "config_source": self.config_source,
             "overrides": [redact_override(o) for o in self.overrides],
-            "micro_batch_size": self.micro_batch_size,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "effective_batch_size": self.effective_batch_size,
+            "micro_batch_size": self.micro_batch_size if bundled else None,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps if bundled else None,
+            "effective_batch_size": self.effective_batch_size if bundled else None,
+            "workdirs": {n.host: self.workdir(n) for n in self.topology.nodes},
+            "env": {n.host: self.shown_env(n) for n in self.topology.nodes},
             "commands": {n.host: self.node_command(n) for n in self.topology.nodes},
         }
 
@@ -143,8 +216,15 @@ def make_plan(
     overrides: tuple[str, ...] | list[str] = (),
     engine: str | None = None,
     run_name: str = DEFAULT_RUN_NAME,
+    command: Sequence[str] = (),
+    env_options: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
 ) -> JobPlan:
-    """Everything `trainer launch` needs, checked; raises InventoryError, TopologyError or PlanError."""
+    """Everything `trainer launch` needs, checked; raises InventoryError, TopologyError or PlanError.
+
+    `command` is the user's own command for every node (empty: the bundled trainer); `env_options`
+    the `--env NAME[=VALUE]` list (a bare NAME takes its value from `environ`, default os.environ).
+    """
     if not _RUN_NAME.fullmatch(run_name):
         raise PlanError(
             f"--run-name {run_name!r} is not a valid run name; use letters, digits, '.', '_' or '-' "
@@ -160,11 +240,23 @@ def make_plan(
             )
     if engine is not None and engine not in ENGINES:
         raise PlanError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if command and engine:
+        raise PlanError(
+            "--engine picks the bundled trainer's engine; your own command starts its own launcher "
+            "(torchrun, deepspeed or accelerate launch): leave --engine out"
+        )
+    if command and not command[0]:
+        raise PlanError("the command after -- is empty; give the program to run, e.g. -- bash train.sh")
+    try:
+        cli_env = parse_env_options(env_options, environ)
+    except EnvError as err:
+        raise PlanError("; ".join(err.problems)) from None
     cluster = load_cluster(inventory)
     topology = build_topology(cluster)
     shared_dir = _absolute(cluster, "cluster_shared_dir")
     venv = _absolute(cluster, "training_venv")
     config_path = _config_path(cluster, config)
+    workdirs, extra_env = _node_settings(cluster, shared_dir, cli_env)
 
     # Inventory settings first, the user's --set after them (last one wins), --engine last of all.
     derived: list[str] = []
@@ -205,7 +297,39 @@ def make_plan(
         overrides=tuple(final),
         config=loaded.to_dict(),
         node_config=loaded.to_dict(secrets=True),
+        user_command=tuple(command),
+        workdirs=workdirs,
+        extra_env=extra_env,
     )
+
+
+def _node_settings(
+    cluster: Cluster, shared_dir: str, cli_env: ExtraEnv
+) -> tuple[dict[str, str], dict[str, ExtraEnv]]:
+    """Per host: the working directory and the added environment (training_env, then --env)."""
+    # The same problem on several hosts (a group_vars value) is one message naming them all.
+    problems: dict[str, list[str]] = {}
+    workdirs: dict[str, str] = {}
+    extra_env: dict[str, ExtraEnv] = {}
+    for host in cluster.hosts:
+        raw_workdir = host.get("training_workdir")
+        if problem := workdir_problem(raw_workdir):
+            problems.setdefault(problem, []).append(host.name)
+        else:
+            workdirs[host.name] = str(raw_workdir or shared_dir).rstrip("/") or "/"
+        try:
+            extra_env[host.name] = parse_training_env(host.get("training_env")).merged(cli_env)
+        except EnvError as err:
+            for problem in err.problems:
+                problems.setdefault(problem, []).append(host.name)
+    if problems:
+        raise PlanError(
+            "\n".join(
+                f"{'host' if len(hosts) == 1 else 'hosts'} {', '.join(hosts)}: {problem}"
+                for problem, hosts in problems.items()
+            )
+        )
+    return workdirs, extra_env
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -223,17 +347,51 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override one trainer config value, e.g. --set train.max_steps=100 (repeatable)",
     )
-    parser.add_argument("--engine", choices=ENGINES, help="override distributed.engine")
+    parser.add_argument("--engine", choices=ENGINES, help="override distributed.engine (bundled trainer)")
     parser.add_argument(
         "--run-name",
         default=DEFAULT_RUN_NAME,
         help="output goes to <cluster_shared_dir>/runs/<run name>; a relaunch with the same name "
         "resumes from its latest checkpoint (default: %(default)s)",
     )
+    add_env_argument(parser)
+    parser.epilog = COMMAND_EPILOG
+
+
+def add_env_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--env",
+        dest="env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="add a variable to every node's environment, over training_env (repeatable); NAME alone "
+        "takes this shell's value, so a key stays off the command line; names such as *_KEY, "
+        "*_TOKEN, *_SECRET are secret (redacted, never in run.sh)",
+    )
+
+
+#: How the user's own command is given (cli.py splits the arguments at the first `--`).
+COMMAND_EPILOG = (
+    "-- COMMAND [ARGS...]: run your own command on every node instead of the bundled trainer, in "
+    "training_workdir (default: the shared dir), as the training user, with NNODES, NODE_RANK, "
+    "MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE, WORLD_SIZE, the NCCL settings, DEEPSPEED_CONFIG, "
+    "ACCELERATE_CONFIG_FILE and CLUSTER_OUTPUT_DIR set, e.g. -- bash finetune/finetune_lora_ds.sh"
+)
+#: cli.py gives these verbs what follows `--` as args.command.
+TAKES_COMMAND = True
 
 
 def plan_from_args(args: argparse.Namespace) -> JobPlan:
-    return make_plan(args.inventory, args.config, tuple(args.overrides), args.engine, args.run_name)
+    return make_plan(
+        args.inventory,
+        args.config,
+        tuple(args.overrides),
+        args.engine,
+        args.run_name,
+        command=tuple(getattr(args, "command", None) or ()),
+        env_options=tuple(args.env),
+    )
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -256,20 +414,31 @@ def print_plan(plan: JobPlan, console: Any = None) -> None:
         if ifnames == {AUTO_IFNAME}
         else ", ".join(sorted(ifnames))
     )
+    ib_disable = (
+        f"auto (resolved at launch: 0 if every node lists devices in {IB_DEVICES_DIR}, else 1)"
+        if topo.nccl_ib_disable == IB_AUTO
+        else topo.nccl_ib_disable
+    )
+    if plan.runs_bundled_trainer:
+        job = [
+            ("engine", plan.engine),
+            (
+                "effective batch size",
+                f"{plan.effective_batch_size} = micro batch {plan.micro_batch_size} × world "
+                f"{topo.world_size} × accumulation {plan.gradient_accumulation_steps}",
+            ),
+        ]
+    else:
+        job = [("command", f"your own: {shlex.join(plan.user_command)}")]
     for key, value in (
         ("NNODES", topo.nnodes),
         ("MASTER_ADDR", topo.master_addr),
         ("MASTER_PORT", topo.master_port),
         ("GPUS_PER_NODE", topo.gpus_per_node),
         ("world size", topo.world_size),
-        ("engine", plan.engine),
-        (
-            "effective batch size",
-            f"{plan.effective_batch_size} = micro batch {plan.micro_batch_size} × world "
-            f"{topo.world_size} × accumulation {plan.gradient_accumulation_steps}",
-        ),
+        *job,
         ("NCCL_SOCKET_IFNAME", ifname),
-        ("NCCL_IB_DISABLE", topo.nccl_ib_disable),
+        ("NCCL_IB_DISABLE", ib_disable),
         ("NCCL_DEBUG", topo.nccl_debug),
         ("collective timeout", f"{topo.nccl_timeout_s} s (distributed.timeout_s)"),
         ("trainer config", plan.config_source),
@@ -289,13 +458,31 @@ def print_plan(plan: JobPlan, console: Any = None) -> None:
             f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start),
         )
     console.print(nodes)
+    # Each node's environment: what every node shares once, then what is this node's own.
+    envs = {node.host: plan.shown_env(node) for node in topo.nodes}
+    common = {k: v for k, v in envs[topo.head.host].items() if all(env.get(k) == v for env in envs.values())}
+    console.print("[bold]Environment on every node[/bold]:")
+    for key, value in common.items():
+        console.print(f"  {key}={_shown_value(value)}", soft_wrap=True, markup=False)
     console.print(
-        f"[bold]Per-node commands[/bold] (trainer launch writes them to {plan.launch_dir}/node-N/run.sh):"
+        f"[bold]Per-node environment and command[/bold] (trainer launch writes them to "
+        f"{plan.launch_dir}/node-N/run.sh; secrets go to node-N/secret-env, readable by the training "
+        "user only):"
     )
     for node in topo.nodes:
+        console.print(f"  node {node.node_rank} ({node.host}):", markup=False)
+        for key, value in envs[node.host].items():
+            if key not in common:
+                console.print(f"    {key}={_shown_value(value)}", soft_wrap=True, markup=False)
         console.print(
-            f"  node {node.node_rank} ({node.host}): {shlex.join(plan.node_command(node))}", soft_wrap=True
+            f"    cd {shlex.quote(plan.workdir(node))} && {shlex.join(plan.node_command(node))}",
+            soft_wrap=True,
+            markup=False,
         )
+
+
+def _shown_value(value: str) -> str:
+    return value if value == REDACTED or value.startswith("auto: ") else shlex.quote(value)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,18 +3,24 @@
     python node_ctl.py NODE_DIR status   one JSON line: state, exit record, new log lines
     python node_ctl.py NODE_DIR peek     the state alone (the log cursor stays where it is)
     python node_ctl.py NODE_DIR stop     stop the process group (TERM, then KILL), then as status
-    python node_ctl.py NODE_DIR prepare  clear the previous launch's state; write the run's files
-                                         (JSON on stdin: {"launch_id", "launch_dir", "files"})
-    python node_ctl.py NODE_DIR start    start run.sh in its own session once CONFIG is visible
+    python node_ctl.py NODE_DIR check JSON   can the command start: {"workdir", "program", "venv_bin"}
+    python node_ctl.py NODE_DIR prepare  keep the previous launch's log and exit record (log.N,
+                                         exit.N), clear its state; write the run's files and the
+                                         node's secret variables (JSON on stdin: {"launch_id",
+                                         "launch_dir", "files", "secret_env"})
+    python node_ctl.py NODE_DIR start FILE...  start run.sh in its own session once FILEs are visible
     python node_ctl.py NODE_DIR pids     the live processes of this launch on this node (pid, command)
 
 torchrun puts every worker in a session of its own, so a signal to run.sh's process group does not
 reach them: every process of the launch carries CLUSTERTRAIN_LAUNCH_ID (from `launch-id`) in its
 environment, and that is how they are all found, even after their parent is gone.
 
-The node dir holds `pid` (the process group leader run.sh writes), `log` (torchrun's output),
-`exit` (JSON written by run.sh when torchrun ends) and `cursor` (how far `status` has read `log`,
-so each poll returns only new lines). Standard library only: it runs with the node's venv python.
+The node dir holds `pid` (the process group leader run.sh writes), `log` (the command's output),
+`exit` (JSON written by run.sh when the command ends), `cursor` (how far `status` has read `log`,
+so each poll returns only new lines) and `secret-env` (the secret variables, mode 0600). A relaunch
+renames the last launch's `log` and `exit` to `log.N` and `exit.N` (N = 1, 2, ... in launch order):
+the evidence of a failure survives every later launch. Standard library only: it runs with the
+node's venv python.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
+import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +158,11 @@ def stop(node_dir: Path, grace_s: float) -> dict:
                 _signal_group(victim, signal.SIGKILL)
                 _signal(victim, signal.SIGKILL)
             time.sleep(0.5)
+        # run.sh (untagged: its variables are exported after it started) writes the exit record
+        # once its command is gone; wait a moment for it so the report says "exited", not "running".
+        deadline = time.monotonic() + 3.0
+        while _alive(pid) and not (node_dir / "exit").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
     result = status(node_dir)
     result["stopped"] = stopped
     return result
@@ -170,11 +185,45 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
+def keep_previous_launch(node_dir: Path) -> int | None:
+    """Rename the last launch's log and exit record to log.N / exit.N; N (None if there was none)."""
+    if not (node_dir / "log").exists() and not (node_dir / "exit").exists():
+        return None
+    taken = [
+        int(m.group(1)) for p in node_dir.iterdir() if (m := re.fullmatch(r"(?:log|exit)\.(\d+)", p.name))
+    ]
+    number = max(taken, default=0) + 1
+    for name in ("log", "exit"):
+        if (node_dir / name).exists():
+            (node_dir / name).rename(node_dir / f"{name}.{number}")
+    return number
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `path` readable by this user only, atomically (never a moment with looser modes)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+        handle.write(text)
+    tmp.replace(path)
+
+
 def prepare(node_dir: Path, payload: dict) -> dict:
-    """Clear the node's state from a previous launch and write the run's files (the head gets them)."""
-    for name in ("pid", "exit", "cursor", "cursor.tmp", "stop-requested", "log"):
+    """Keep the previous launch's log, clear its state, write the run's files (the head gets them)
+    and the node's secret variables."""
+    kept = keep_previous_launch(node_dir)
+    for name in ("pid", "cursor", "cursor.tmp", "stop-requested"):
         (node_dir / name).unlink(missing_ok=True)
     (node_dir / "launch-id").write_text(payload["launch_id"] + "\n")
+    secrets = payload.get("secret_env") or {}
+    if secrets:
+        # Sourced by run.sh; names were checked on the controller, values are quoted here.
+        write_private(
+            node_dir / "secret-env",
+            "".join(f"export {name}={shlex.quote(str(value))}\n" for name, value in sorted(secrets.items())),
+        )
+    else:
+        (node_dir / "secret-env").unlink(missing_ok=True)
     launch_dir = Path(payload["launch_dir"])
     written = []
     for name, text in sorted((payload.get("files") or {}).items()):
@@ -187,19 +236,56 @@ def prepare(node_dir: Path, payload: dict) -> dict:
             handle.write(text)
         tmp.replace(target)
         written.append(name)
-    return {"state": "prepared", "written": written}
+    return {"state": "prepared", "written": written, "kept_previous_as": kept}
 
 
-def start(node_dir: Path, config: Path, timeout_s: float = 60.0) -> dict:
+def check(request: dict) -> dict:
+    """Refuse a command that cannot start here, before any node starts: the working directory must
+    be enterable and the program found, as the training user, with the PATH run.sh gives it."""
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    workdir = Path(request["workdir"])
+    if not workdir.is_dir():
+        raise SystemExit(
+            f"training_workdir {workdir} does not exist on this node: create it (on the shared dir it "
+            "exists everywhere), or set training_workdir to a directory that does"
+        )
+    if not os.access(workdir, os.R_OK | os.X_OK):
+        raise SystemExit(
+            f"training_workdir {workdir} cannot be entered by the training user {user}: make it "
+            f"readable and searchable by {user} (chown/chmod), or set another training_workdir"
+        )
+    program = request["program"]
+    search_path = f"{request['venv_bin']}:{os.environ.get('PATH', os.defpath)}"
+    if "/" in program:
+        found = workdir / program
+        if not found.is_file():
+            raise SystemExit(f"the command's program {program} does not exist (looked in {workdir})")
+        if not os.access(found, os.X_OK):
+            raise SystemExit(
+                f"the command's program {found} is not executable by {user}: chmod +x it, or start it "
+                f"through its interpreter (e.g. -- bash {program})"
+            )
+    else:
+        found = shutil.which(program, path=search_path)
+        if found is None:
+            raise SystemExit(
+                f"the command's program {program!r} is not found for {user} on PATH {search_path}: "
+                "install it in the training venv, or give its full path"
+            )
+    return {"workdir": str(workdir), "program": str(found), "user": user}
+
+
+def start(node_dir: Path, wait_for: list[Path], timeout_s: float = 60.0) -> dict:
     """Start run.sh detached (setsid: its own session and process group) and wait for its pid file."""
     deadline = time.monotonic() + timeout_s
     # On an NFS mount the head's files can take a moment to appear.
-    while not config.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(
-                f"{config} is not visible on this node after {timeout_s:.0f} s: is the shared dir mounted?"
-            )
-        time.sleep(0.5)
+    for path in wait_for:
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"{path} is not visible on this node after {timeout_s:.0f} s: is the shared dir mounted?"
+                )
+            time.sleep(0.5)
     # Not Ansible's own variables: with a local connection they include the controller's run marker
     # (trainer.controller.runner ends every process carrying it when the playbook ends; the trainer
     # must live on).
@@ -232,7 +318,9 @@ def main() -> int:
     elif action == "prepare":
         result = prepare(node_dir, json.load(sys.stdin))
     elif action == "start":
-        result = start(node_dir, Path(sys.argv[3]))
+        result = start(node_dir, [Path(arg) for arg in sys.argv[3:]])
+    elif action == "check":
+        result = check(json.loads(sys.argv[3]))
     elif action == "pids":
         result = {"processes": [{"pid": pid, "command": _command(pid)} for pid in tagged_pids(node_dir)]}
     else:

@@ -1,6 +1,6 @@
 """Everything `trainer launch` checks on a node before starting anything, in one run (JSON out).
 
-    python node_probe.py '{"venv": ..., "address": ..., "port": 0|N, "node_dir": ...}'
+    python node_probe.py '{"venv": ..., "need": [...], "address": ..., "port": 0|N, "node_dir": ...}'
 
 Run with the training venv's python (so a missing venv shows as this command failing). One process
 instead of one Ansible task per check: on a busy machine each task costs seconds.
@@ -63,18 +63,28 @@ def previous_state(node_dir: Path) -> str:
     return "vanished" if pid else "none"
 
 
+def infiniband_devices() -> list[str]:
+    """The InfiniBand/RoCE devices the kernel lists (mlx5_0, ...): NCCL_IB_DISABLE=auto reads them."""
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
 def main() -> int:
     request = json.loads(sys.argv[1])
     venv = Path(request["venv"])
-    missing = [
-        name for name in ("python", "torchrun", "trainer") if not os.access(venv / "bin" / name, os.X_OK)
-    ]
+    # The bundled trainer needs torchrun and trainer; a user's own command only the venv's python
+    # (the launcher's helper runs with it) and whatever the command itself starts.
+    need = request.get("need") or ("python", "torchrun", "trainer")
+    missing = [name for name in need if not os.access(venv / "bin" / name, os.X_OK)]
     result = {
         "user": pwd.getpwuid(os.geteuid()).pw_name,
         "venv_missing": missing,
         "iface": interface_of(request["address"]) if request.get("iface_auto") else "",
         "port_error": port_error(request["address"], int(request["port"])) if request.get("port") else "",
         "previous": previous_state(Path(request["node_dir"])),
+        "ib_devices": infiniband_devices(),
     }
     print(json.dumps(result))
     return 0
