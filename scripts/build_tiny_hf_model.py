@@ -74,7 +74,11 @@ def build_model(out: Path, *, hidden: int, layers: int, vocab: int, chat_templat
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(vocab, chat_template=chat_template, chatml_tokens=chatml_tokens)
-    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tokenizer.get_vocab()]
+    eos = [
+        tokenizer.convert_tokens_to_ids(t)
+        for t in ("<|im_end|>", "<|endoftext|>")
+        if t in tokenizer.get_vocab()
+    ]
     heads = max(1, hidden // 16)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -100,7 +104,9 @@ def build_model(out: Path, *, hidden: int, layers: int, vocab: int, chat_templat
     for path in out.iterdir():  # safetensors writes 0600; a model on a shared dir is read by other users
         path.chmod(0o644)
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"{out}: Qwen2, hidden {hidden}, {layers} layers, vocab {len(tokenizer)}, {parameters:,} parameters")
+    print(
+        f"{out}: Qwen2, hidden {hidden}, {layers} layers, vocab {len(tokenizer)}, {parameters:,} parameters"
+    )
 
 
 def _first_sentence(text: str, words: int = 24) -> str:

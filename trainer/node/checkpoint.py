@@ -110,6 +110,9 @@ def resume_fingerprint(config: Any) -> dict[str, Any]:
         "model": dataclasses.asdict(config.model),
         "block_size": config.data.block_size,
         "engine": config.distributed.engine,
+        # A LoRA checkpoint holds the adapter only; a packed run's data order is over other rows.
+        "lora": dataclasses.asdict(config.lora),
+        "packing": config.data.packing,
     }
 
 
@@ -121,6 +124,9 @@ def check_resumable(checkpoint: Path, config: Any, *, world_size: int) -> None:
         "use the settings it was written with, or checkpoint.resume=never or another output_dir to start over"
     )
     for key, value in resume_fingerprint(config).items():
+        if isinstance(value, dict) and isinstance(saved.get(key), dict):
+            # Settings added since the checkpoint was written are not in it: compare the ones it has.
+            value = {name: setting for name, setting in value.items() if name in saved[key]}
         if key in saved and saved[key] != value:
             raise ConfigError(
                 "checkpoint.resume",

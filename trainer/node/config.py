@@ -30,6 +30,8 @@ from trainer.node.checkpoint import CheckpointConfig
 from trainer.node.data import DataConfig
 from trainer.node.engines import DistributedConfig
 from trainer.node.health.config import HealthConfig
+from trainer.node.hf.evaluation import EvalConfig
+from trainer.node.hf.lora import LoraConfig
 from trainer.node.schedule import TrainConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
@@ -38,7 +40,8 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """The tiny char-level GPT (nanoGPT-style); its context length is `data.block_size`."""
+    """A Hugging Face causal LM to fine-tune (`name_or_path`), or the built-in tiny char-level GPT
+    (nanoGPT-style, sized by n_layer/n_head/n_embd; its context length is `data.block_size`)."""
 
     n_layer: int = 2
     """Transformer blocks."""
@@ -50,8 +53,20 @@ class ModelConfig:
     """Dropout probability during training (0 disables it)."""
     bias: bool = False
     """Biases in Linear and LayerNorm layers (False is slightly faster and as good)."""
+    name_or_path: str = ""
+    """A Hugging Face causal LM to fine-tune: a local directory (config.json, safetensors or bin weights,
+    tokenizer files; on a cluster, on the shared dir) or a hub id where a hub is reachable.
+    '' = the built-in tiny GPT above (n_layer, n_head, n_embd, dropout and bias apply to it only)."""
+    max_length: int = 512
+    """Tokens per training sample (and per packed row) with a Hugging Face model."""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """Weights' dtype. auto: fp32 on the CPU; on a GPU with bf16, bf16, except the weights a ddp or
+    accelerate full fine-tuning updates, which stay fp32 (bf16 compute through train.mixed_precision)."""
+    trust_remote_code: bool = False
+    """Run the Python code a model directory ships (custom architectures); only for a model you trust."""
 
     def __post_init__(self) -> None:
+        require(self.max_length >= 8, "max_length", f"must be at least 8 tokens (got {self.max_length})")
         require(self.n_layer >= 1, "n_layer", f"must be at least 1 (got {self.n_layer})")
         require(self.n_head >= 1, "n_head", f"must be at least 1 (got {self.n_head})")
         require(
@@ -81,9 +96,39 @@ class TrainerConfig:
     """When to save, how many to keep, whether to resume."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """GPU health circuit breaker and its `gpu.fault` webhook."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA / Q-LoRA adapter training of a Hugging Face model (peft)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """When to compute the eval loss (the eval samples come from data.eval_fraction or data.eval_path)."""
 
     def __post_init__(self) -> None:
         require(bool(self.output_dir.strip()), "output_dir", "must not be empty")
+        if not self.model.name_or_path:
+            # Settings that only mean something for a Hugging Face model are refused, not ignored.
+            for key, is_set in (
+                ("lora.enabled", self.lora.enabled),
+                ("data.packing", self.data.packing),
+                ("data.eval_fraction", self.data.eval_fraction > 0),
+                ("data.eval_path", bool(self.data.eval_path)),
+                ("data.format", self.data.format not in ("auto", "text")),
+                ("train.gradient_checkpointing", self.train.gradient_checkpointing),
+            ):
+                require(
+                    not is_set,
+                    key,
+                    "applies to Hugging Face models only; set model.name_or_path to a model directory "
+                    "(the built-in tiny GPT trains on plain text in full)",
+                )
+        require(
+            not (
+                self.lora.qlora
+                and self.distributed.engine == "deepspeed"
+                and self.distributed.zero_stage == 3
+            ),
+            "lora.qlora",
+            "does not work with DeepSpeed ZeRO-3 (a 4-bit base cannot be partitioned); use "
+            "distributed.zero_stage=2, as the Qwen guide's Q-LoRA does, or the ddp engine",
+        )
 
     def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
         """Plain data. The webhook URL is a secret: redacted unless `secrets` (only for a config file
@@ -118,6 +163,14 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
             except ConfigError:
                 pass
         raise ConfigError(key, f"must be {_type_name(tp)} (got {type(value).__name__} {value!r})")
+    if typing.get_origin(tp) is list:
+        # A list of names, as a YAML list or as `a,b` (what `--set key=a,b` gives).
+        items = (
+            [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+        )
+        if isinstance(items, list) and all(isinstance(item, str) for item in items):
+            return items
+        raise ConfigError(key, f"must be a list of names or a comma-separated string (got {value!r})")
     if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
         # YAML 1.1 reads `3e-4` (no dot) as a string; it is the way people write learning rates.
         return float(value)

@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from trainer.configerror import ConfigError, require
 
@@ -35,10 +35,35 @@ class DataConfig:
     allow_dataset_oversubscription: bool = False
     """If the dataset cannot fill one effective batch, raise `repeats` to the minimum that can (logged)
     instead of stopping with an error."""
+    format: Literal["auto", "text", "conversations", "messages"] = "auto"
+    """With a Hugging Face model: `conversations` (`{"id", "conversations": [{"from", "value"}]}`, the Qwen
+    guide's), `messages` (`{"messages": [{"role", "content"}]}`), `text` (records with a `text` field, or
+    a plain text file cut into model.max_length pieces); `auto` detects it from the first record. Chats
+    are rendered with the tokenizer's chat template and only the assistant's tokens are trained on."""
+    packing: bool = False
+    """Pack several samples into each model.max_length row (fewer pad tokens, faster); attention stays
+    within each sample where the model supports it (checked at start, named in the log)."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """A sample longer than model.max_length tokens is cut to it (`truncate`) or left out (`drop`);
+    the log says how many."""
+    eval_fraction: float = 0.0
+    """Hold out this fraction of the samples (chosen with train.seed) for the eval loss; 0 = none."""
+    eval_path: str = ""
+    """A separate eval file in the same format as data.path ('' = none, or data.eval_fraction)."""
 
     def __post_init__(self) -> None:
         require(self.block_size >= 2, "block_size", f"must be at least 2 (got {self.block_size})")
         require(self.repeats >= 1, "repeats", f"must be at least 1 (got {self.repeats})")
+        require(
+            0.0 <= self.eval_fraction < 1.0,
+            "eval_fraction",
+            f"must be in [0, 1): the share of samples held out (got {self.eval_fraction})",
+        )
+        require(
+            not (self.eval_fraction > 0 and self.eval_path),
+            "eval_path",
+            "and data.eval_fraction are both set; use one: a separate eval file or a held-out fraction",
+        )
 
 
 class DataError(Exception):
@@ -181,6 +206,10 @@ class ShardedBatches:
             sampler.set_epoch(epoch)
             self._epoch, self._indices = epoch, list(sampler)
         return self._indices
+
+    def step_tokens(self, first_position: int, count: int) -> int:
+        """Tokens that all ranks train on in micro-batches [first, first + count)."""
+        return count * self.micro_batch_size * self.world_size * self.corpus.block_size
 
     def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         import torch

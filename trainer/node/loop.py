@@ -47,8 +47,6 @@ StepHook = Callable[[StepResult], "int | None"]
 @dataclass
 class Trainer:
     train_config: TrainConfig
-    tokens_per_sample: int
-    """Tokens in one sample (the throughput figures count them)."""
     save_steps: int
     """Checkpoint every this many steps (0: only at the end)."""
     fingerprint: dict[str, Any]
@@ -60,7 +58,12 @@ class Trainer:
     reporter: Reporter
     resume_from: Path | None = None
     hooks: Sequence[StepHook] = field(default_factory=tuple)
+    evaluate: Callable[[], float] | None = None
+    """The eval loss (same on every rank; all ranks call it together), or None without eval data."""
+    eval_every: int = 0
+    """Evaluate every this many steps (0: at the last step only)."""
     run_facts: dict[str, Any] = field(default_factory=dict)
+    steps_this_run: int = 0
 
     def train(self) -> int:
         train = self.train_config
@@ -71,13 +74,8 @@ class Trainer:
                 "to train further, or set checkpoint.resume=never (or another output_dir) to start over"
             )
         self.reporter.start(first_step=start + 1, resumed_step=start)
-        tokens_per_step = (
-            train.micro_batch_size
-            * train.gradient_accumulation_steps
-            * self.topology.world_size
-            * self.tokens_per_sample
-        )
-        interval_start, interval_steps, interval_step_time = time.perf_counter(), 0, 0.0
+        accumulation = train.gradient_accumulation_steps
+        interval_start, interval_steps, interval_step_time, interval_tokens = time.perf_counter(), 0, 0.0, 0
         loss = self.run_facts.get("resumed_loss", float("nan"))
         started = time.perf_counter()
         try:
@@ -87,6 +85,7 @@ class Trainer:
                 step_time = time.perf_counter() - step_start
                 interval_steps += 1
                 interval_step_time += step_time
+                interval_tokens += self.batches.step_tokens((step - 1) * accumulation, accumulation)
                 result = StepResult(
                     step=step,
                     max_steps=train.max_steps,
@@ -100,23 +99,33 @@ class Trainer:
                     self.reporter.info(f"stopping at step {step}: a per-step check returned exit code {code}")
                     return code
                 self.reporter.advance(step)
+                self.steps_this_run += 1
                 last = step == train.max_steps
+                eval_start = time.perf_counter()
+                evaluated = self._evaluate_now(step, last)
+                interval_start += time.perf_counter() - eval_start  # eval time is not training throughput
                 # Step 1 is logged too: the user sees the starting loss, the launcher a first line, at once.
-                logged = step % train.log_every == 0 or last or step == 1
+                logged = step % train.log_every == 0 or last or step == 1 or evaluated is not None
                 if logged:
                     loss = self._global_loss(local_loss)
                     elapsed = time.perf_counter() - interval_start
-                    self.reporter.log_step(
-                        {
-                            "step": step,
-                            "loss": loss,
-                            "lr": result.lr,
-                            "tokens_per_s": tokens_per_step * interval_steps / elapsed,
-                            "step_time_s": interval_step_time / interval_steps,
-                            "world_size": self.topology.world_size,
-                        }
+                    record = {
+                        "step": step,
+                        "loss": loss,
+                        "lr": result.lr,
+                        "tokens_per_s": interval_tokens / elapsed,
+                        "step_time_s": interval_step_time / interval_steps,
+                        "world_size": self.topology.world_size,
+                    }
+                    if evaluated is not None:
+                        record["eval_loss"] = evaluated
+                    self.reporter.log_step(record)
+                    interval_start, interval_steps, interval_step_time, interval_tokens = (
+                        time.perf_counter(),
+                        0,
+                        0.0,
+                        0,
                     )
-                    interval_start, interval_steps, interval_step_time = time.perf_counter(), 0, 0.0
                 if last or (self.save_steps and step % self.save_steps == 0):
                     if not logged:
                         loss = self._global_loss(local_loss)
@@ -126,6 +135,11 @@ class Trainer:
             self.reporter.close()
         self._summarize(loss, time.perf_counter() - started, start)
         return exitcodes.OK
+
+    def _evaluate_now(self, step: int, last: bool) -> float | None:
+        if self.evaluate is None or not (last or (self.eval_every and step % self.eval_every == 0)):
+            return None
+        return self.evaluate()
 
     def _after_step(self, result: StepResult) -> int:
         """Run the per-step checks; every rank returns the same code (the highest any rank raised)."""

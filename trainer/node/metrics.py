@@ -17,12 +17,19 @@ SUMMARY_FILE = "summary.json"
 
 
 def step_line(
-    step: int, max_steps: int, loss: float, lr: float, tokens_per_s: float, step_time_s: float
+    step: int,
+    max_steps: int,
+    loss: float,
+    lr: float,
+    tokens_per_s: float,
+    step_time_s: float,
+    eval_loss: float | None = None,
 ) -> str:
-    return (
+    line = (
         f"step {step}/{max_steps} loss {loss:.4f} lr {lr:.2e} tok/s {tokens_per_s:,.0f} "
         f"step_time {step_time_s * 1000:.0f}ms"
     )
+    return line if eval_loss is None else f"{line} eval_loss {eval_loss:.4f}"
 
 
 class Reporter:
@@ -88,6 +95,7 @@ class Reporter:
                 record["lr"],
                 record["tokens_per_s"],
                 record["step_time_s"],
+                record.get("eval_loss"),
             )
         )
         with open(self.output_dir / METRICS_FILE, "a") as handle:

@@ -13,10 +13,11 @@ if TYPE_CHECKING:
 
 def lr_multiplier(step: int, config: TrainConfig) -> float:
     """Factor on train.learning_rate for the given optimizer step (0-based, as LambdaLR counts)."""
-    if step < config.warmup_steps:
-        return (step + 1) / (config.warmup_steps + 1)
-    span = max(1, config.max_steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
+    warmup = config.warmup()
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    span = max(1, config.max_steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
     floor = config.min_lr / config.learning_rate
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 

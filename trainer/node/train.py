@@ -62,31 +62,37 @@ def run(args: argparse.Namespace) -> int:
         world_size = world_size_from_env()
         if not args.dry_run:
             check_visible_gpus()
-        if args.dry_run:
-            samples = (len(read_text(config.data.path)) - 1) // config.data.block_size
-            repeats, note = required_repeats(
-                samples,
-                config.data,
-                config.train.micro_batch_size,
-                world_size,
-                config.train.gradient_accumulation_steps,
-            )
-            print(dump_config(config), end="")
-            print(
-                f"# world size {world_size}: {samples} samples × {repeats} repeats; "
-                f"{note or 'the dataset fills the effective batch'}"
-            )
-            return exitcodes.OK
-        from trainer.node.data import load_corpus
+        corpus = None
+        if config.model.name_or_path:
+            # The model directory, tokenizer, LoRA targets and every record are checked here, on every
+            # rank, before the process group: bad input stops all ranks at once with the same message.
+            from trainer.node.hf.job import FineTune
 
-        corpus = load_corpus(config.data)
+            corpus = FineTune.prepare(config, world_size)
+            samples = corpus.num_samples
+        elif args.dry_run:
+            samples = (len(read_text(config.data.path)) - 1) // config.data.block_size
+        else:
+            from trainer.node.data import load_corpus
+
+            corpus = load_corpus(config.data)
+            samples = corpus.num_samples
         repeats, note = required_repeats(
-            corpus.num_samples,
+            samples,
             config.data,
             config.train.micro_batch_size,
             world_size,
             config.train.gradient_accumulation_steps,
         )
+        if args.dry_run:
+            print(dump_config(config), end="")
+            for line in getattr(corpus, "notes", []):
+                print(f"# {line}")
+            print(
+                f"# world size {world_size}: {samples} samples × {repeats} repeats; "
+                f"{note or 'the dataset fills the effective batch'}"
+            )
+            return exitcodes.OK
     except ConfigError as err:
         _error(f"config error: {err}")
         return exitcodes.CONFIG_ERROR
@@ -99,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         _error(f"data error: {err}")
         return exitcodes.DATA_ERROR
     try:
-        return train(config, corpus, repeats=repeats, notes=[note] if note else [])
+        notes = [*getattr(corpus, "notes", []), *([note] if note else [])]
+        return train(config, corpus, repeats=repeats, notes=notes)
     except ConfigError as err:  # checkpoint.resume naming a bad path is found once the run starts
         _error(f"config error: {err}")
         return exitcodes.CONFIG_ERROR
@@ -110,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
 def train(
     config: TrainerConfig, corpus, *, repeats: int, notes: list[str], hooks: list[StepHook] | None = None
 ) -> int:
-    """Start the process group, build model and engine, resume, run the loop, leave cleanly."""
+    """Start the process group, build model and engine, resume, run the loop, leave cleanly.
+
+    corpus: the built-in GPT's text (trainer.node.data.Corpus), or a Hugging Face fine-tuning job
+    (trainer.node.hf.job.FineTune) when model.name_or_path is set."""
     import random
     from pathlib import Path
 
@@ -163,28 +173,57 @@ def train(
             and torch.cuda.is_available()
             and torch.cuda.is_bf16_supported()
         )
+        finetune = corpus if config.model.name_or_path else None
+        if finetune is not None:
+            # bf16 weights need DeepSpeed's bf16 mode (it keeps fp32 master copies of them).
+            bf16 = bf16 or finetune.weights_dtype(on_gpu) == torch.bfloat16
         # Same seed everywhere for the initial weights; then a per-rank offset so dropout differs.
         seed = config.train.seed
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
-        model = GPT(config.model, vocab_size=len(corpus.vocab), block_size=config.data.block_size)
-        parameter_count = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
+        if finetune is not None:
+            model, model_line = finetune.build_model(topology, bf16=bf16)
+        else:
+            model = GPT(config.model, vocab_size=len(corpus.vocab), block_size=config.data.block_size)
+            parameter_count = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
+            model_line = f"{parameter_count:,} parameters"
         if config.train.compile:
             model.compile()
         engine = create_engine(config.train, config.distributed, output_dir, topology, model, bf16=bf16)
         random.seed(seed + topology.rank)
         np.random.seed(seed + topology.rank)
         torch.manual_seed(seed + topology.rank)
-        batches = ShardedBatches(
-            corpus,
-            repeats=repeats,
-            micro_batch_size=config.train.micro_batch_size,
-            rank=topology.rank,
-            world_size=topology.world_size,
-            seed=seed,
-            device=topology.device,
-        )
+        evaluate = None
+        if finetune is not None:
+            packing_note = finetune.check_packing(engine)
+            if packing_note:
+                reporter.info(packing_note)
+            batches = finetune.batches(topology, repeats=repeats)
+            eval_batches = finetune.eval_batches(topology)
+            if eval_batches is not None:
+                from trainer.node.hf.evaluation import eval_loss
+
+                def evaluate() -> float:
+                    return eval_loss(engine, eval_batches, topology.device)
+
+            data_facts = finetune.facts
+        else:
+            batches = ShardedBatches(
+                corpus,
+                repeats=repeats,
+                micro_batch_size=config.train.micro_batch_size,
+                rank=topology.rank,
+                world_size=topology.world_size,
+                seed=seed,
+                device=topology.device,
+            )
+            data_facts = {
+                "path": config.data.path or "pydoc_data.topics (bundled)",
+                "characters": len(corpus.ids),
+                "vocab_size": len(corpus.vocab),
+                "samples": corpus.num_samples,
+            }
         hosts = distributed.gather(topology.to_dict())
         reporter.write_json(
             RUN_FILE,
@@ -200,10 +239,7 @@ def train(
                     "ranks": hosts,
                 },
                 "data": {
-                    "path": config.data.path or "pydoc_data.topics (bundled)",
-                    "characters": len(corpus.ids),
-                    "vocab_size": len(corpus.vocab),
-                    "samples": corpus.num_samples,
+                    **data_facts,
                     "repeats": repeats,
                     "effective_batch": config.train.micro_batch_size
                     * topology.world_size
@@ -212,7 +248,7 @@ def train(
             },
         )
         reporter.info(
-            f"training {parameter_count:,} parameters with "
+            f"training {model_line} with "
             f"{config.distributed.engine} on {topology.world_size} process(es), "
             f"{topology.num_nodes} node(s), {topology.device}"
             f"{', bf16' if bf16 else ''}; output in {output_dir}"
@@ -225,7 +261,6 @@ def train(
         checkpoints.remove_leftovers()
         trainer = Trainer(
             train_config=config.train,
-            tokens_per_sample=config.data.block_size,
             save_steps=config.checkpoint.save_steps,
             fingerprint=resume_fingerprint(config),
             topology=topology,
@@ -235,8 +270,16 @@ def train(
             reporter=reporter,
             resume_from=resume_from,
             hooks=(*(hooks or ()), *health.step_hooks(on_gpu=on_gpu)),
+            evaluate=evaluate,
+            eval_every=config.eval.every_steps,
         )
         code = trainer.train()
+        if finetune is not None and code == exitcodes.OK:
+            final = output_dir / "final"
+            if trainer.steps_this_run or not final.is_dir():
+                reporter.info(
+                    f"final model: {finetune.write_final(engine, output_dir, is_main=topology.is_main)}"
+                )
         clean = True  # every rank got here with the same code: leaving together is safe
         return code
     except Exception as error:

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from trainer.node.distributed import Topology
     from trainer.node.schedule import TrainConfig
 
-Batch = tuple["torch.Tensor", "torch.Tensor"]
+#: The model's forward arguments: (inputs, targets) for the built-in GPT; (input_ids, labels,
+#: position_ids, num_items_in_batch) for a Hugging Face model (trainer.node.hf.batches).
+Batch = tuple["torch.Tensor | None", ...]
 
 
 @dataclass(kw_only=True)
@@ -50,6 +52,7 @@ class Engine:
 
     name = "base"
     module: torch.nn.Module
+    topology: Topology
 
     def train_step(self, micro_batches: Iterable[Batch]) -> float:
         """Forward/backward over gradient_accumulation_steps micro-batches, clip, optimizer and
@@ -66,6 +69,25 @@ class Engine:
     def load(self, directory: Path) -> None:
         """Restore what `save` wrote (called on every rank)."""
         raise NotImplementedError
+
+    def evaluate(self, batch: Batch) -> torch.Tensor:
+        """The model's loss on batch without gradients, dropout off (call on every rank: ZeRO-3 gathers)."""
+        import torch
+
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                return self._forward(batch).detach()
+        finally:
+            self.module.train(was_training)
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Every weight of the model, complete, on rank 0 (None elsewhere); call on every rank."""
+        return self.module.state_dict() if self.topology.is_main else None
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:
@@ -110,3 +132,9 @@ def create_engine(
     from trainer.node.engines.accelerate import AccelerateEngine
 
     return AccelerateEngine(train, topology, model, bf16=bf16)
+
+
+def frozen_parameter_names(module: torch.nn.Module) -> set[str]:
+    """Parameters the optimizer never changes (a LoRA base): checkpoints leave them out, since resuming
+    loads them again from the model directory, unchanged."""
+    return {name for name, param in module.named_parameters() if not param.requires_grad}

@@ -22,6 +22,7 @@ class AccelerateEngine(Engine):
 
     def __init__(self, train, topology, model: torch.nn.Module, bf16: bool = False):
         self.config = train
+        self.topology = topology
         self.accelerator = Accelerator(
             cpu=not topology.device.startswith("cuda"), mixed_precision="bf16" if bf16 else "no"
         )
@@ -34,10 +35,10 @@ class AccelerateEngine(Engine):
     def train_step(self, micro_batches: Iterable[Batch]) -> float:
         accumulation = self.config.gradient_accumulation_steps
         total = 0.0
-        for index, (x, y) in enumerate(micro_batches):
+        for index, batch in enumerate(micro_batches):
             sync = index == accumulation - 1
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
-                loss = self.model(x, y)  # prepare() applied autocast when mixed precision is on
+                loss = self.model(*batch)  # prepare() applied autocast when mixed precision is on
                 self.accelerator.backward(loss / accumulation)
             total += loss.item()
         if self.config.grad_clip > 0:
@@ -46,6 +47,9 @@ class AccelerateEngine(Engine):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total / accumulation
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        return self.model(*batch)
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

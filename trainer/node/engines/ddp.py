@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.node.engines import Batch, Engine
+from trainer.node.engines import Batch, Engine, frozen_parameter_names
 from trainer.node.optim import build_optimizer
 
 STATE_FILE = "ddp_state.pt"
@@ -31,12 +31,12 @@ class DDPEngine(Engine):
     def train_step(self, micro_batches: Iterable[Batch]) -> float:
         accumulation = self.config.gradient_accumulation_steps
         total = torch.zeros((), device=self.topology.device)
-        for index, (x, y) in enumerate(micro_batches):
+        for index, batch in enumerate(micro_batches):
             # Only the last micro-batch all-reduces gradients; the others accumulate locally.
             sync = index == accumulation - 1
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 with self.autocast():
-                    loss = self.model(x, y)
+                    loss = self.model(*batch)
                 (loss / accumulation).backward()
             total += loss.detach()
         if self.config.grad_clip > 0:
@@ -46,13 +46,18 @@ class DDPEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         return total.item() / accumulation
 
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        with self.autocast():
+            return self.module(*batch)  # the bare module: no DDP hooks for a pass without gradients
+
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
     def save(self, directory: Path) -> None:
         if self.topology.is_main:  # replicas are identical: one copy is the whole state
+            frozen = frozen_parameter_names(self.module)
             state = {
-                "model": self.module.state_dict(),
+                "model": {k: v for k, v in self.module.state_dict().items() if k not in frozen},
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
             }
@@ -60,6 +65,11 @@ class DDPEngine(Engine):
 
     def load(self, directory: Path) -> None:
         state = torch.load(directory / STATE_FILE, map_location=self.topology.device, weights_only=True)
-        self.module.load_state_dict(state["model"])
+        missing, unexpected = self.module.load_state_dict(state["model"], strict=False)
+        if unexpected or set(missing) - frozen_parameter_names(self.module):
+            raise RuntimeError(
+                f"{directory / STATE_FILE} does not fit this model (missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]})"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

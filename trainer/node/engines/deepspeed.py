@@ -15,7 +15,7 @@ from typing import Any
 import deepspeed
 import torch
 
-from trainer.node.engines import Batch, Engine
+from trainer.node.engines import Batch, Engine, frozen_parameter_names
 from trainer.node.optim import build_optimizer
 
 CHECKPOINT_TAG = "deepspeed"
@@ -65,16 +65,25 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed scales each loss by 1/accumulation, reduces gradients and steps the optimizer and
         # scheduler (with clipping) at the accumulation boundary by itself.
         total, count = 0.0, 0
-        for x, y in micro_batches:
-            loss = self.engine(x, y)
+        for batch in micro_batches:
+            loss = self.engine(*batch)
             self.engine.backward(loss)
             self.engine.step()
             total += loss.item()
             count += 1
         return total / count
 
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        return self.engine(*batch)
+
     def lr(self) -> float:
         return self.engine.get_lr()[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.ds_config["zero_optimization"]["stage"] == 3:
+            # One layer at a time onto rank 0's CPU, in the training dtype (16-bit with bf16 on).
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return super().full_state_dict()
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:
@@ -85,11 +94,21 @@ class DeepSpeedEngine(Engine):
             yield
 
     def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+        self.engine.save_checkpoint(
+            str(directory),
+            tag=CHECKPOINT_TAG,
+            save_latest=False,
+            exclude_frozen_parameters=bool(frozen_parameter_names(self.module)),
+        )
 
     def load(self, directory: Path) -> None:
         path, _ = self.engine.load_checkpoint(
-            str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(directory),
+            tag=CHECKPOINT_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            # A LoRA checkpoint has no base weights: they come from the model directory, loaded already.
+            load_module_strict=not frozen_parameter_names(self.module),
         )
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}/{CHECKPOINT_TAG}")

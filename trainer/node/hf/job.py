@@ -1,0 +1,308 @@
+"""Fine-tuning a Hugging Face model, in the order `trainer train` needs it:
+
+1. `FineTune.prepare` (every rank, before the process group starts): the model directory, its config
+   and tokenizer, the LoRA targets (on a weightless copy of the model), Q-LoRA's needs, the data
+   read, tokenized, split and packed. Bad input stops here with a ConfigError naming the key.
+2. `build_model` (after the process group): the weights, LoRA, the loss wrapper the engines train.
+3. `check_packing` (after the engine): does the model keep attention within packed samples?
+4. `batches` / `eval_batches`, then the loop; `write_final` at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.configerror import ConfigError
+from trainer.node.hf import dataset
+from trainer.node.hf.chat import ensure_chat_template
+from trainer.node.hf.model import check_source, load_model_config, load_tokenizer, pad_token_id
+from trainer.node.hf.packing import Rows, one_per_row, pack
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.node.config import TrainerConfig
+    from trainer.node.distributed import Topology
+    from trainer.node.engines import Engine
+    from trainer.node.hf.batches import EvalBatches, FinetuneBatches
+
+
+@dataclass
+class FineTune:
+    config: TrainerConfig
+    source: str
+    """The model directory (or hub id)."""
+    tokenizer: Any
+    model_config: Any
+    train: dataset.Samples
+    eval: dataset.Samples | None
+    rows: Rows
+    target_modules: list[str] | None
+    notes: list[str] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+    """The data section of run.json."""
+    reset_positions: bool = False
+    """Packed rows restart position_ids per sample (the model then keeps attention within samples)."""
+    model: Any = None
+    """The transformers (or peft) model, once built."""
+
+    @property
+    def num_samples(self) -> int:
+        """Rows: what one sample of a micro-batch is (a packed row holds several samples)."""
+        return len(self.rows)
+
+    @classmethod
+    def prepare(cls, config: TrainerConfig, world_size: int) -> FineTune:
+        from transformers.utils import logging as transformers_logging
+
+        # Every rank would draw its own loading and saving bars into the one log.
+        transformers_logging.disable_progress_bar()
+        source = check_source(config.model.name_or_path)
+        model_config = load_model_config(config.model, source)
+        tokenizer = load_tokenizer(config.model, source)
+        notes = []
+        target_modules = _check_lora(config, model_config) if config.lora.enabled else None
+        data = config.data
+        if data.format in ("auto", "conversations", "messages") and _may_be_chat(data.path, data.format):
+            note = ensure_chat_template(tokenizer)
+            if note:
+                notes.append(note)
+        tokenized = dataset.tokenize(
+            tokenizer,
+            data.path,
+            data_format=data.format,
+            max_length=config.model.max_length,
+            overlong=data.overlong,
+        )
+        notes.append(
+            tokenized.summary(data.path or "the bundled text", config.model.max_length, data.overlong)
+        )
+        train, held_out = tokenized.samples, None
+        if data.eval_path:
+            evaluated = dataset.tokenize(
+                tokenizer,
+                data.eval_path,
+                data_format=tokenized.data_format,
+                max_length=config.model.max_length,
+                overlong=data.overlong,
+                key="data.eval_path",
+            )
+            notes.append("eval " + evaluated.summary(data.eval_path, config.model.max_length, data.overlong))
+            held_out = evaluated.samples
+        elif data.eval_fraction > 0:
+            train, held_out = dataset.split_eval(train, data.eval_fraction, config.train.seed)
+        if len(train) == 0:
+            summary = tokenized.summary(data.path, config.model.max_length, data.overlong)
+            raise ConfigError("data.path", f"no sample is left to train on ({summary})")
+        if data.packing:
+            rows = pack(train.lengths(), config.model.max_length)
+            fill = train.lengths().sum() / (len(rows) * config.model.max_length)
+            notes.append(
+                f"packing: {len(train)} samples into {len(rows)} rows of up to {config.model.max_length} "
+                f"tokens ({fill:.0%} full)"
+            )
+        else:
+            rows = one_per_row(len(train))
+        facts = {
+            "path": data.path or "pydoc_data.topics (bundled)",
+            "format": tokenized.data_format,
+            "records": tokenized.records,
+            "samples": len(train),
+            "rows": len(rows),
+            "tokens": int(train.lengths().sum()),
+            "trained_tokens": int(train.label_counts().sum()),
+            "truncated": tokenized.truncated,
+            "dropped": tokenized.dropped_overlong + tokenized.dropped_untrained,
+            "eval_samples": len(held_out) if held_out is not None else 0,
+            "packing": data.packing,
+            "max_length": config.model.max_length,
+        }
+        return cls(
+            config=config,
+            source=source,
+            tokenizer=tokenizer,
+            model_config=model_config,
+            train=train,
+            eval=held_out if held_out is not None and len(held_out) else None,
+            rows=rows,
+            target_modules=target_modules,
+            notes=notes,
+            facts=facts,
+        )
+
+    def weights_dtype(self, on_gpu: bool) -> torch.dtype:
+        from trainer.node.hf.model import weights_dtype
+
+        full_update = not self.config.lora.enabled and self.config.distributed.engine in ("ddp", "accelerate")
+        return weights_dtype(self.config.model, updates_all_weights_itself=full_update, on_gpu=on_gpu)
+
+    def build_model(self, topology: Topology, *, bf16: bool) -> tuple[torch.nn.Module, str]:
+        """The loss wrapper around the loaded model (LoRA applied) and a line for the log."""
+        import torch
+
+        from trainer.node.hf.lora import apply_lora
+        from trainer.node.hf.model import CausalLMLoss, load_model
+
+        config = self.config
+        on_gpu = topology.device.startswith("cuda")
+        dtype = self.weights_dtype(on_gpu)
+        keep_alive = _zero3_init(config, topology, bf16=bf16 or dtype == torch.bfloat16)
+        model = load_model(
+            config.model,
+            self.source,
+            dtype=dtype,
+            qlora=config.lora.qlora,
+            device=topology.device,
+            gradient_checkpointing=config.train.gradient_checkpointing,
+        )
+        del keep_alive
+        if config.lora.enabled:
+            model = apply_lora(
+                model,
+                config.lora,
+                self.target_modules,
+                gradient_checkpointing=config.train.gradient_checkpointing,
+            )
+        self.model = model
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        trained = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        what = (
+            f"a LoRA adapter (r={config.lora.r}{', 4-bit base' if config.lora.qlora else ''}): "
+            f"{trained:,} of {total:,} parameters"
+            if config.lora.enabled
+            else f"{total:,} parameters"
+        )
+        return CausalLMLoss(
+            model
+        ), f"{self.source} ({self.model_config.model_type}, {str(dtype).removeprefix('torch.')}), {what}"
+
+    def check_packing(self, engine: Engine) -> str | None:
+        """Decide how packed rows are fed, by measuring: the loss on sample B after prefix A1 and after
+        prefix A2, with B's positions restarted. Equal: the model masks by packed position_ids (no
+        attention between samples). Different: it does not, and rows are fed as plain packing."""
+        if not self.config.data.packing:
+            return None
+        import torch
+
+        from trainer.node.hf.chat import IGNORE
+
+        vocab = min(len(self.tokenizer), self.model_config.vocab_size)
+        generator = torch.Generator().manual_seed(0)
+        prefix_1, prefix_2, sample = (torch.randint(0, vocab, (16,), generator=generator) for _ in range(3))
+        device = next(engine.module.parameters()).device
+
+        def loss(prefix: torch.Tensor, restart: bool) -> float:
+            input_ids = torch.cat([prefix, sample])[None].to(device)
+            labels = input_ids.clone()
+            labels[0, : len(prefix) + 1] = IGNORE  # B's own tokens only, not its first (predicted from A)
+            positions = torch.cat([torch.arange(len(prefix)), torch.arange(len(sample))])[None].to(device)
+            batch = (input_ids, labels, positions if restart else None, torch.tensor(1.0, device=device))
+            return float(engine.evaluate(batch))
+
+        crossing = abs(loss(prefix_1, False) - loss(prefix_2, False))
+        masked = abs(loss(prefix_1, True) - loss(prefix_2, True))
+        self.reset_positions = crossing > 0 and masked <= 1e-3 * crossing
+        if self.reset_positions:
+            return "packing: attention stays within each sample (position_ids restart per sample)"
+        return (
+            "packing: this model lets attention cross packed samples (it does not mask by position_ids): "
+            "plain packing, each sample sees the ones before it in its row"
+        )
+
+    def _collator(self, samples: dataset.Samples, rows: Rows, device: str):
+        from trainer.node.hf.batches import Collator
+
+        return Collator(
+            samples,
+            rows,
+            pad_id=pad_token_id(self.tokenizer),
+            reset_positions=self.reset_positions,
+            device=device,
+        )
+
+    def batches(self, topology: Topology, *, repeats: int) -> FinetuneBatches:
+        from trainer.node.hf.batches import FinetuneBatches
+
+        train = self.config.train
+        return FinetuneBatches(
+            self._collator(self.train, self.rows, topology.device),
+            repeats=repeats,
+            micro_batch_size=train.micro_batch_size,
+            accumulation=train.gradient_accumulation_steps,
+            rank=topology.rank,
+            world_size=topology.world_size,
+            seed=train.seed,
+        )
+
+    def eval_batches(self, topology: Topology) -> EvalBatches | None:
+        from trainer.node.hf.batches import EvalBatches
+
+        if self.eval is None:
+            return None
+        return EvalBatches(
+            self._collator(self.eval, one_per_row(len(self.eval)), topology.device),
+            micro_batch_size=self.config.train.micro_batch_size,
+            rank=topology.rank,
+            world_size=topology.world_size,
+        )
+
+    def write_final(self, engine: Engine, output_dir: Path, *, is_main: bool) -> Path:
+        """OUTPUT_DIR/final/ (see trainer.node.hf.final); call on every rank (ZeRO-3 gathers)."""
+        from trainer.node.hf.final import FINAL, save_pretrained, unwrap_state
+
+        state = engine.full_state_dict()
+        directory = Path(output_dir) / FINAL
+        if is_main:
+            save_pretrained(self.model, unwrap_state(state), self.tokenizer, directory)
+        return directory
+
+
+def _may_be_chat(path: str, data_format: str) -> bool:
+    """Whether the data may hold chats (plain text never does): only then is a chat template needed."""
+    if data_format in ("conversations", "messages"):
+        return True
+    records, _ = dataset.read_source(path)
+    return records is not None and dataset.detect_format(records, "auto") != "text"
+
+
+def _check_lora(config: TrainerConfig, model_config: Any) -> list[str]:
+    """LoRA's target modules, checked on a weightless copy of the model; Q-LoRA's needs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.node.hf.lora import check_target_modules
+
+    if config.lora.qlora:
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "lora.qlora",
+                "4-bit quantization (bitsandbytes) runs on CUDA GPUs only and this node has none; "
+                "use lora.qlora=false for plain LoRA on the CPU",
+            )
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "lora.qlora",
+                "needs bitsandbytes, which is not installed on this node; install the `qlora` extra "
+                "(pip install 'clustertrain[qlora]') or use lora.qlora=false",
+            ) from None
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(
+            model_config, trust_remote_code=config.model.trust_remote_code
+        )
+    return check_target_modules(config.lora, skeleton)
+
+
+def _zero3_init(config: TrainerConfig, topology: Topology, *, bf16: bool) -> Any:
+    """Under ZeRO-3, transformers loads the weights straight into partitions (deepspeed.zero.Init) while
+    the returned object lives, so no rank ever holds the whole model: what lets a 72B model load."""
+    if config.distributed.engine != "deepspeed" or config.distributed.zero_stage != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from trainer.node.engines.deepspeed import deepspeed_config
+
+    return HfDeepSpeedConfig(deepspeed_config(config.train, config.distributed, topology.world_size, bf16))
