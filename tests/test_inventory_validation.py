@@ -41,7 +41,7 @@ GOOD_VARS = {
     "cluster_comm_port_range": "29400:29999",
     "cluster_ntp_servers": [],
     "cluster_nccl_socket_ifname": "auto",
-    "cluster_nccl_ib_disable": 1,
+    "cluster_nccl_ib_disable": "auto",
     "cluster_nccl_debug": "WARN",
     "cluster_nccl_timeout_s": 1800,
     "training_venv": "/opt/clustertrain/venv",
@@ -50,6 +50,8 @@ GOOD_VARS = {
     "training_zero_stage": 2,
     "training_config": "",
     "training_wheelhouse": "",
+    "training_workdir": "",
+    "training_env": {"NCCL_IB_HCA": "mlx5_0", "WANDB_API_KEY": {"value": "k", "secret": True}},
 }
 
 
@@ -195,6 +197,37 @@ BAD = [
         None,
     ),
     ("root-training-user", _set("cluster_training_user", "root"), "cluster_training_user is root", None),
+    (
+        "training-env-launcher-variable",
+        _set("training_env", {"NODE_RANK": 1}),
+        "training_env: NODE_RANK is set by the launcher",
+        "fix: remove it from training_env",
+    ),
+    (
+        "training-env-bad-name",
+        _set("training_env", {"HF-HOME": "/x"}),
+        "training_env: 'HF-HOME' is not a valid environment variable name",
+        None,
+    ),
+    (
+        "training-env-not-a-mapping",
+        _set("training_env", ["HF_HOME=/x"]),
+        "training_env is ['HF_HOME=/x'], not a mapping",
+        None,
+    ),
+    (
+        "training-env-list-value",
+        _set("training_env", {"NCCL_IB_HCA": ["mlx5_0"]}),
+        "training_env.NCCL_IB_HCA is ['mlx5_0']",
+        "give a string or a number",
+    ),
+    (
+        "relative-workdir",
+        _host("node-b", "training_workdir", "code"),
+        "host node-b: training_workdir is 'code', not an absolute path",
+        None,
+    ),
+    ("bad-ib-disable", _set("cluster_nccl_ib_disable", 2), "cluster_nccl_ib_disable is 2", "use auto"),
     (
         "missing-wheelhouse",
         _set("training_wheelhouse", "/nonexistent/wheels"),

@@ -10,9 +10,24 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+# The rules for training_env, training_workdir and cluster_nccl_ib_disable live once, in the
+# project's own (standard-library-only) module, which `trainer plan/launch` apply too. This
+# checkout's copy comes first, so the playbook checks exactly what the launcher will.
+_CHECKOUT = Path(__file__).resolve().parents[3]
+if (_CHECKOUT / "trainer" / "controller" / "training_env.py").is_file():
+    sys.path.insert(0, str(_CHECKOUT))
+from trainer.controller.training_env import (  # noqa: E402
+    EnvError,
+    ib_disable_problem,
+    parse_training_env,
+    workdir_problem,
+)
 
 HEAD, WORKERS, CLUSTER = "head", "workers", "cluster"
 ENGINES = ("ddp", "deepspeed", "accelerate")
@@ -340,6 +355,20 @@ def _check_node_ranks(hosts: Mapping[str, Mapping], head: str | None, out: Probl
             seen[rank] = name
 
 
+def _strip_name(problem: str | None) -> str | None:
+    """A shared rule's message without its leading variable name (_check_each adds it)."""
+    return problem.split(" ", 1)[1] if problem else None
+
+
+def _check_training_env(hosts: Mapping[str, Mapping], out: Problems) -> None:
+    for name, hv in hosts.items():
+        try:
+            parse_training_env(hv.get("training_env"))
+        except EnvError as err:
+            for problem in err.problems:
+                out.add(name, problem)
+
+
 def cluster_problems(hostvars: Mapping, groups: Mapping) -> list[str]:
     """Return the inventory's problems (empty when it describes a usable cluster)."""
     out = Problems()
@@ -364,7 +393,9 @@ def cluster_problems(hostvars: Mapping, groups: Mapping) -> list[str]:
     _check_each(hosts, "training_engine", _one_of(ENGINES), out)
     _check_each(hosts, "training_zero_stage", _one_of(ZERO_STAGES), out)
     _check_each(hosts, "nfs_server_backend", _one_of(NFS_BACKENDS), out)
-    _check_each(hosts, "cluster_nccl_ib_disable", _one_of((0, 1)), out)
+    _check_each(hosts, "cluster_nccl_ib_disable", lambda v: _strip_name(ib_disable_problem(v)), out)
+    _check_each(hosts, "training_workdir", lambda v: _strip_name(workdir_problem(v)), out)
+    _check_training_env(hosts, out)
     _check_each(hosts, "cluster_nccl_debug", _one_of(NCCL_DEBUG_LEVELS), out)
     _check_each(
         hosts,
