@@ -4,6 +4,8 @@ The launcher, `trainer plan` and preflight all start from the same picture of th
 head (rank 0), the workers in a stable order, and each host's variables with Jinja templates
 rendered (the local inventory derives paths from `inventory_dir`). Ansible's own inventory and
 variable managers do the loading, so group_vars/host_vars precedence is exactly Ansible's.
+Vaulted variables are decrypted with the command's vault password files (trainer.controller.access);
+connection secrets (ansible_become_password and the like) are never rendered: nothing here needs them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trainer.controller import access
 
 HEAD_GROUP = "head"
 WORKERS_GROUP = "workers"
@@ -90,15 +94,34 @@ def load_host_vars(inventory: str | os.PathLike[str]) -> tuple[dict[str, list[st
     # Lookups and filters in inventory variables (env, dirname) need the plugin loader.
     init_plugin_loader()
     loader = DataLoader()
+    try:
+        access.vault_secrets(loader)
+    except access.AccessError as err:
+        raise InventoryError(str(err)) from None
     manager = InventoryManager(loader=loader, sources=[str(inventory)])
     variables = VariableManager(loader=loader, inventory=manager)
     groups = {name: [h.name for h in group.get_hosts()] for name, group in manager.groups.items()}
     rendered: dict[str, dict] = {}
+    problems: dict[str, list[str]] = {}  # the same problem on several hosts is one message
     for host in manager.get_hosts():
         host_vars = variables.get_vars(host=host, include_hostvars=False)
         templar = Templar(loader=loader, variables=host_vars)
-        wanted = {k: v for k, v in host_vars.items() if not k.startswith("ansible_facts")}
-        rendered[host.name] = _to_plain(templar.template(wanted))
+        rendered[host.name] = {}
+        for key, value in host_vars.items():
+            if key.startswith("ansible_facts") or key in access.CONNECTION_SECRETS:
+                continue
+            try:  # one variable at a time, so an error names the variable
+                rendered[host.name][key] = _to_plain(templar.template(value))
+            except Exception as err:  # AnsibleError, vault errors: named, not a traceback
+                problems.setdefault(access.describe_unrenderable(key, err), []).append(host.name)
+    if problems:
+        raise InventoryError(
+            f"inventory {inventory}: "
+            + "; ".join(
+                f"{'host' if len(hosts) == 1 else 'hosts'} {', '.join(hosts)}: {problem}"
+                for problem, hosts in problems.items()
+            )
+        )
     return groups, rendered
 
 

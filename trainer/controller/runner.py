@@ -31,6 +31,10 @@ Why it looks like this (the known ansible-runner traps):
 - `ansible-playbook` is looked up on PATH, so the running interpreter's bin directory goes first;
 - ansible-runner turns host key checking off unless told otherwise; here it stays on unless the
   caller's own environment sets ANSIBLE_HOST_KEY_CHECKING;
+- passwords (trainer.controller.access) reach ansible-playbook as its own options: password files by
+  path, a typed sudo password as the answer to its --ask-become-pass prompt, set on the runner's config
+  in memory in the status handler (given as `passwords=`, ansible-runner writes it to env/passwords);
+  so no password is on a command line, in the environment, or in a file of the private dir;
 - a canceled run's ansible-playbook outlives ansible-runner's kill (it runs in a session of its own),
   so every process of a run carries CLUSTERTRAIN_RUNNER_ID in its environment and whatever still
   carries it when the run ends is terminated. On a local connection that includes processes a task
@@ -42,6 +46,8 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
+import shlex
 import shutil
 import signal
 import sys
@@ -53,6 +59,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trainer.controller import access as access_options
 
 #: Variables passed to ansible-playbook besides ANSIBLE_*: what SSH, podman and Python need to work.
 ENV_ALLOW_LIST = frozenset(
@@ -87,6 +95,15 @@ CANCEL_POLL_S = 0.5
 #: workers and, on local connections, the modules they run.
 RUN_MARKER = "CLUSTERTRAIN_RUNNER_ID"
 
+#: How Ansible says a node's sudo wants a password it was not given, or a wrong one.
+SUDO_PASSWORD_PROBLEM = re.compile(
+    r"(missing|incorrect) (sudo|become|su) password|timeout .*privilege escalation", re.IGNORECASE
+)
+SUDO_PASSWORD_FIX = (
+    "this node's sudo asks for a password: give it with --ask-become-pass or --become-password-file FILE "
+    "(or ANSIBLE_BECOME_PASSWORD_FILE), or allow the account passwordless sudo"
+)
+
 _RESULT_EVENTS = {
     "runner_on_ok": "ok",
     "runner_on_failed": "failed",
@@ -110,8 +127,10 @@ class TaskResult:
     def message(self) -> str:
         """The most telling text of a result: msg and stderr (a command's msg alone says little)."""
         parts = [str(self.result.get(key) or "").strip() for key in ("msg", "stderr")]
-        text = ": ".join(p for p in parts if p)
-        return text or str(self.result.get("stdout") or "").strip()
+        text = ": ".join(p for p in parts if p) or str(self.result.get("stdout") or "").strip()
+        if SUDO_PASSWORD_PROBLEM.search(text):
+            text += f" (fix: {SUDO_PASSWORD_FIX})"
+        return text
 
 
 @dataclass
@@ -229,14 +248,26 @@ def run_playbook(
     timeout_s: float | None = None,
     verbosity: int = 0,
     env: Mapping[str, str] | None = None,
+    access: access_options.Access | None = None,
 ) -> PlaybookResult:
     """Run `playbook` against `inventory` and return what happened on each host.
 
     Blocks until the run ends; `on_event` is called on this thread for each event as it arrives.
-    `env` adds variables (e.g. ANSIBLE_FORKS) on top of the filtered environment.
+    `env` adds variables (e.g. ANSIBLE_FORKS) on top of the filtered environment. `access` (default:
+    what the command line configured, trainer.controller.access) gives the sudo and vault passwords.
     KeyboardInterrupt cancels the run (ansible-playbook is terminated) and is then re-raised.
     """
     import ansible_runner  # imported here: heavy, and only the controller's run paths need it
+    import pexpect  # ansible-runner's own dependency: the prompts it answers
+
+    access = access or access_options.current()
+    cmdline = access.cmdline()  # checks the password files first (AccessError)
+    # Before the run starts, so the one prompt comes before any output of the run.
+    # A plain dict: ansible-runner reads patterns only from a mapping that is not an OrderedDict.
+    answers: dict[Any, str | None] = {
+        re.compile(pattern, re.M): answer for pattern, answer in access.expect_passwords().items()
+    }
+    answers.update({pexpect.TIMEOUT: None, pexpect.EOF: None})
 
     playbook = Path(playbook).resolve()
     inventory = Path(inventory).resolve()
@@ -259,6 +290,8 @@ def run_playbook(
                 **(env or {}),
                 RUN_MARKER: marker.split("=", 1)[1],
             }
+            # In memory only: ansible-runner turns `passwords=` into this, after writing env/passwords.
+            runner_config.expect_passwords = answers
 
     private_data_dir = tempfile.mkdtemp(prefix="clustertrain-runner-")
     try:
@@ -278,6 +311,7 @@ def run_playbook(
             cancel_callback=cancel.is_set,
             timeout=timeout_s,
             settings={"pexpect_timeout": CANCEL_POLL_S},
+            cmdline=shlex.join(cmdline) if cmdline else None,
         )
         results: list[TaskResult] = []
         stats: dict[str, Any] = {}

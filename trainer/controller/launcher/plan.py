@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from trainer import exitcodes
+from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import Cluster, InventoryError, load_cluster
 from trainer.controller.launcher.topology import AUTO_IFNAME, Node, Topology, TopologyError, build_topology
 from trainer.controller.training_env import (
@@ -272,6 +273,9 @@ def make_plan(
     data_path = str(cluster.head.get("cluster_data_path") or "")
     if data_path:
         derived.append(f"data.path={data_path}")
+    # A secret, usually vaulted in the inventory; shown redacted like any health.webhook_url.
+    if webhook_url := str(cluster.head.get("training_health_webhook_url") or ""):
+        derived.append(f"health.webhook_url={webhook_url}")
     final = [*derived, *overrides]
     if engine:
         final.append(f"distributed.engine={engine}")
@@ -355,6 +359,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         "resumes from its latest checkpoint (default: %(default)s)",
     )
     add_env_argument(parser)
+    add_access_arguments(parser)
     parser.epilog = COMMAND_EPILOG
 
 
@@ -383,6 +388,7 @@ TAKES_COMMAND = True
 
 
 def plan_from_args(args: argparse.Namespace) -> JobPlan:
+    configure_access(args)  # sudo/vault passwords (trainer.controller.access)
     return make_plan(
         args.inventory,
         args.config,

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from trainer import exitcodes
+from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.preflight.report import CHECKS, FAIL, SKIP, WARN, Report, Result, format_result
 
 DEFAULT_REPORT = Path("output/preflight.json")
@@ -59,6 +60,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="CHECK",
         help=f"checks to leave out: {', '.join(CHECKS)}",
     )
+    add_access_arguments(parser)
 
 
 def _print(results: list[Result]) -> None:
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     try:
+        configure_access(args)  # sudo/vault passwords (trainer.controller.access)
         cluster = load_cluster(args.inventory)
     except InventoryError as err:
         print(f"trainer preflight: {err}", file=sys.stderr)
