@@ -4,10 +4,12 @@ and a first try on a cluster train on, with no hub.
 
     build_tiny_hf_model.py model OUT_DIR [--hidden 64 --layers 2 --vocab 1024] [--no-chat-template]
                                          [--without-chatml-tokens]
+    build_tiny_hf_model.py model OUT_DIR --hidden 896 --layers 24 --heads 14 --kv-heads 2 \
+        --intermediate 4864 --model-vocab 151936 --vocab 8192     # Qwen2-0.5B's shape, random weights
     build_tiny_hf_model.py data OUT_FILE [--format conversations|messages|text] [--samples 400]
                                          [--jsonl] [--seed 0]
 
-`model`: a randomly initialized Qwen2 (hidden 64, 2 layers, about 110k parameters by default) saved
+`model`: a randomly initialized Qwen2 (hidden 64, 2 layers, about 140k parameters by default) saved
 with `save_pretrained` as safetensors, and a byte-level BPE tokenizer trained with `tokenizers` on the
 English text the standard library ships (`pydoc_data.topics`), with the ChatML tokens and chat
 template of Qwen's instruct models. `--no-chat-template` leaves the template out (the trainer then
@@ -69,7 +71,19 @@ def build_tokenizer(vocab_size: int, *, chat_template: bool, chatml_tokens: bool
     return wrapped
 
 
-def build_model(out: Path, *, hidden: int, layers: int, vocab: int, chat_template: bool, chatml_tokens: bool):
+def build_model(
+    out: Path,
+    *,
+    hidden: int,
+    layers: int,
+    vocab: int,
+    chat_template: bool,
+    chatml_tokens: bool,
+    heads: int = 0,
+    kv_heads: int = 0,
+    intermediate: int = 0,
+    model_vocab: int = 0,
+):
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -79,14 +93,15 @@ def build_model(out: Path, *, hidden: int, layers: int, vocab: int, chat_templat
         for t in ("<|im_end|>", "<|endoftext|>")
         if t in tokenizer.get_vocab()
     ]
-    heads = max(1, hidden // 16)
+    heads = heads or max(1, hidden // 16)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        # Embedding rows may exceed the tokenizer's vocabulary, as in Qwen's own checkpoints.
+        vocab_size=max(model_vocab, len(tokenizer)),
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
+        num_key_value_heads=kv_heads or max(1, heads // 2),
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         eos_token_id=eos[-1],
@@ -181,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("out", type=Path)
     model.add_argument("--hidden", type=int, default=64)
     model.add_argument("--layers", type=int, default=2)
-    model.add_argument("--vocab", type=int, default=1024)
+    model.add_argument("--vocab", type=int, default=1024, help="tokenizer vocabulary (BPE merges)")
+    model.add_argument("--heads", type=int, default=0, help="attention heads (default hidden / 16)")
+    model.add_argument("--kv-heads", type=int, default=0, help="key/value heads (default heads / 2)")
+    model.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2 × hidden)")
+    model.add_argument("--model-vocab", type=int, default=0, help="embedding rows (default: the tokenizer's)")
     model.add_argument("--no-chat-template", action="store_true")
     model.add_argument("--without-chatml-tokens", action="store_true")
     data = commands.add_parser("data", help="chat data about the bundled text")
@@ -199,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             vocab=args.vocab,
             chat_template=not args.no_chat_template,
             chatml_tokens=not args.without_chatml_tokens,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            intermediate=args.intermediate,
+            model_vocab=args.model_vocab,
         )
     else:
         write_data(args.out, data_format=args.format, samples=args.samples, seed=args.seed, jsonl=args.jsonl)

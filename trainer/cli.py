@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "start the trainer, or your own command, on every host of an inventory",
     ),
     "preflight": ("trainer.controller.preflight.cli", "check a cluster before launching and name the fixes"),
+    "export": (
+        "trainer.node.hf.export",
+        "a Hugging Face model directory from a fine-tuning run or checkpoint",
+    ),
 }
 
 

@@ -113,6 +113,7 @@ class Trainer:
                         "step": step,
                         "loss": loss,
                         "lr": result.lr,
+                        "tokens": interval_tokens,
                         "tokens_per_s": interval_tokens / elapsed,
                         "step_time_s": interval_step_time / interval_steps,
                         "world_size": self.topology.world_size,

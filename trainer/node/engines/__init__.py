@@ -137,4 +137,7 @@ def create_engine(
 def frozen_parameter_names(module: torch.nn.Module) -> set[str]:
     """Parameters the optimizer never changes (a LoRA base): checkpoints leave them out, since resuming
     loads them again from the model directory, unchanged."""
-    return {name for name, param in module.named_parameters() if not param.requires_grad}
+    # Every name: a tied output head shares the embedding's weight under a second name.
+    return {
+        name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad
+    }

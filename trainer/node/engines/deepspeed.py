@@ -37,19 +37,24 @@ def deepspeed_config(train, distributed, world_size: int, bf16: bool) -> dict[st
     }
 
 
+def adopt_process_group(backend: str) -> None:
+    """DeepSpeed joins the process group trainer.node.distributed started, quietly."""
+    # DeepSpeed logs every rank's set-up at INFO; warnings and errors still come through.
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed's ZeRO uses collectives torch has renamed; the warnings say nothing to the user.
+    warnings.filterwarnings(
+        "ignore", message=r".*torch\.distributed\.\w+_tensor` is deprecated", category=FutureWarning
+    )
+    deepspeed.init_distributed(dist_backend=backend)
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
     def __init__(
         self, train, distributed, output_dir: Path, topology, model: torch.nn.Module, bf16: bool = False
     ):
-        # DeepSpeed logs every rank's set-up at INFO; warnings and errors still come through.
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        # DeepSpeed's ZeRO uses collectives torch has renamed; the warnings say nothing to the user.
-        warnings.filterwarnings(
-            "ignore", message=r".*torch\.distributed\.\w+_tensor` is deprecated", category=FutureWarning
-        )
-        deepspeed.init_distributed(dist_backend=topology.backend)  # adopts the existing process group
+        adopt_process_group(topology.backend)
         self.topology = topology
         self.ds_config = deepspeed_config(train, distributed, topology.world_size, bf16)
         if topology.is_main:

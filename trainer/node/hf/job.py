@@ -301,8 +301,14 @@ def _zero3_init(config: TrainerConfig, topology: Topology, *, bf16: bool) -> Any
     the returned object lives, so no rank ever holds the whole model: what lets a 72B model load."""
     if config.distributed.engine != "deepspeed" or config.distributed.zero_stage != 3:
         return None
+    import os
+
+    if not topology.device.startswith("cuda"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as create_engine does, before deepspeed loads
     from transformers.integrations import HfDeepSpeedConfig
 
-    from trainer.node.engines.deepspeed import deepspeed_config
+    from trainer.node.engines.deepspeed import adopt_process_group, deepspeed_config
 
+    # zero.Init partitions over DeepSpeed's view of the process group: it must adopt ours first.
+    adopt_process_group(topology.backend)
     return HfDeepSpeedConfig(deepspeed_config(config.train, config.distributed, topology.world_size, bf16))
