@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "trainer.controller.launcher.launch",
         "start the trainer, or your own command, on every host of an inventory",
     ),
+    "sbatch": (
+        "trainer.controller.launcher.sbatch",
+        "write the same job as a Slurm (or PBS) batch script; contacts and starts nothing",
+    ),
     "preflight": ("trainer.controller.preflight.cli", "check a cluster before launching and name the fixes"),
     "export": (
         "trainer.node.hf.export",

@@ -212,7 +212,7 @@ def _absolute(cluster: Cluster, var: str) -> str:
 
 
 def make_plan(
-    inventory: str | Path,
+    inventory: str | Path | Cluster,
     config: str | None = None,
     overrides: tuple[str, ...] | list[str] = (),
     engine: str | None = None,
@@ -223,6 +223,7 @@ def make_plan(
 ) -> JobPlan:
     """Everything `trainer launch` needs, checked; raises InventoryError, TopologyError or PlanError.
 
+    `inventory` is a path, or a Cluster already built (`trainer sbatch --nodes N` has no inventory).
     `command` is the user's own command for every node (empty: the bundled trainer); `env_options`
     the `--env NAME[=VALUE]` list (a bare NAME takes its value from `environ`, default os.environ).
     """
@@ -252,7 +253,7 @@ def make_plan(
         cli_env = parse_env_options(env_options, environ)
     except EnvError as err:
         raise PlanError("; ".join(err.problems)) from None
-    cluster = load_cluster(inventory)
+    cluster = inventory if isinstance(inventory, Cluster) else load_cluster(inventory)
     topology = build_topology(cluster)
     shared_dir = _absolute(cluster, "cluster_shared_dir")
     venv = _absolute(cluster, "training_venv")
@@ -339,9 +340,9 @@ def _node_settings(
 # --- command line ---------------------------------------------------------------------------------
 
 
-def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by `trainer plan` and `trainer launch`."""
-    parser.add_argument("-i", "--inventory", required=True, help="inventory directory or file")
+def add_job_arguments(parser: argparse.ArgumentParser, inventory_required: bool = True) -> None:
+    """Options shared by `trainer plan`, `trainer launch` and `trainer sbatch`."""
+    parser.add_argument("-i", "--inventory", required=inventory_required, help="inventory directory or file")
     parser.add_argument("--config", help="trainer YAML config on this machine (default: training_config)")
     parser.add_argument(
         "--set",

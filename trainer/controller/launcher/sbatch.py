@@ -1,0 +1,124 @@
+"""`trainer sbatch -i INVENTORY [-- COMMAND]` (or `--nodes N --gpus-per-node G` without an inventory):
+write the job `trainer launch` would start as a Slurm batch script (`--pbs`: a PBS/Torque one).
+
+With an inventory the script is the same job: the shared dir, venv, master port, NCCL settings,
+training_env and working directory come from it; the scheduler picks the hosts. Without one,
+the command line describes the job and the current directory stands in for the shared dir.
+Nothing is contacted or started: the script is written to a file (mode 0700 when it carries
+secrets, since a Slurm script is a file the job's user hands to the scheduler as is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from trainer import exitcodes
+from trainer.controller.access import configure_access
+from trainer.controller.inventory import Cluster, Host, InventoryError
+from trainer.controller.launcher.plan import COMMAND_EPILOG, JobPlan, PlanError, add_job_arguments, make_plan
+from trainer.controller.launcher.scheduler import BatchOptions, pbs_script, slurm_script
+from trainer.controller.launcher.topology import DEFAULT_MASTER_PORT, TopologyError
+
+#: cli.py gives this verb what follows `--` as args.command (the user's own command).
+TAKES_COMMAND = True
+DESCRIBED_BY_OPTIONS = Path("(trainer sbatch options)")
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    add_job_arguments(parser, inventory_required=False)
+    parser.epilog = COMMAND_EPILOG.replace("on every node", "on every node of the job")
+    without = parser.add_argument_group("without an inventory")
+    without.add_argument("--nodes", type=int, help="number of nodes (instead of -i)")
+    without.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU nodes)")
+    without.add_argument(
+        "--procs-per-node",
+        type=int,
+        help="processes per node (default: --gpus-per-node; needed on CPU nodes)",
+    )
+    without.add_argument(
+        "--shared-dir",
+        default=os.getcwd(),
+        help="a directory every node sees at the same path; runs go to <shared dir>/runs/<run name> "
+        "(default: the current directory)",
+    )
+    without.add_argument(
+        "--venv",
+        default=sys.prefix,
+        help="the Python environment with torchrun and trainer, at this path on every node "
+        "(default: this one, %(default)s)",
+    )
+    without.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT, help="rendezvous port")
+    batch = parser.add_argument_group("scheduler")
+    batch.add_argument("--pbs", action="store_true", help="write a PBS/Torque script (qsub) instead")
+    batch.add_argument("--time", default="", help="time limit, e.g. 24:00:00 (default: the site's)")
+    batch.add_argument("--partition", default="", help="partition (Slurm) or queue (PBS)")
+    batch.add_argument("--cpus-per-task", type=int, default=0, help="CPUs per node's task (dataloaders)")
+    parser.add_argument(
+        "-o", "--output", help="file to write (default: <run name>.sbatch, or .pbs, in the current directory)"
+    )
+
+
+def cluster_from_options(args: argparse.Namespace) -> Cluster:
+    """The cluster `--nodes N --gpus-per-node G` describes: N hosts the scheduler will name."""
+    if args.nodes is None or args.nodes < 1:
+        raise PlanError("give -i INVENTORY, or --nodes N (1 or more) with --gpus-per-node G")
+    procs = args.procs_per_node or args.gpus_per_node
+    if args.gpus_per_node < 0 or procs < 1:
+        raise PlanError(
+            "--gpus-per-node must be 0 or more, and CPU nodes need --procs-per-node (processes per node)"
+        )
+    shared_dir = str(Path(args.shared_dir).resolve())
+    common = {
+        "cluster_accelerators": args.gpus_per_node,
+        "training_procs_per_node": procs,
+        "cluster_master_port": args.master_port,
+        "cluster_shared_dir": shared_dir,
+        "training_venv": str(Path(args.venv).resolve()),
+        "cluster_nccl_socket_ifname": "auto",
+        "cluster_nccl_ib_disable": "auto",
+    }
+    hosts = [Host(f"node{rank}", dict(common)) for rank in range(args.nodes)]
+    return Cluster(inventory=DESCRIBED_BY_OPTIONS, head=hosts[0], workers=tuple(hosts[1:]))
+
+
+def plan_from_args(args: argparse.Namespace) -> JobPlan:
+    if args.inventory and args.nodes is not None:
+        raise PlanError("give either -i INVENTORY or --nodes N, not both")
+    configure_access(args)  # vault passwords for a vaulted inventory (trainer.controller.access)
+    source = args.inventory or cluster_from_options(args)
+    return make_plan(
+        source,
+        args.config,
+        tuple(args.overrides),
+        args.engine,
+        args.run_name,
+        command=tuple(args.command or ()),
+        env_options=tuple(args.env),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_from_args(args)
+    except (InventoryError, TopologyError, PlanError) as err:
+        print(f"trainer sbatch: {err}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    options = BatchOptions(time_limit=args.time, partition=args.partition, cpus_per_task=args.cpus_per_task)
+    script = pbs_script(plan, options) if args.pbs else slurm_script(plan, options)
+    target = Path(args.output or f"{plan.run_name}.{'pbs' if args.pbs else 'sbatch'}")
+    # A script with secrets is readable by its owner only, from the moment it exists.
+    mode = 0o700 if plan.has_secrets else 0o755
+    target.unlink(missing_ok=True)
+    with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as handle:
+        handle.write(script)
+    submit = "qsub" if args.pbs else "sbatch"
+    secrets_note = "; it holds secrets: mode 0700" if plan.has_secrets else ""
+    print(
+        f"wrote {target} ({plan.topology.nnodes} nodes x {plan.topology.gpus_per_node} processes, run "
+        f"{plan.run_name}, output {plan.output_dir}){secrets_note}"
+    )
+    print(f"submit it with: {submit} {target}")
+    return exitcodes.OK
