@@ -38,7 +38,7 @@ def test_local_inventory_passes_and_skips_pair_checks(tmp_path):
     for pair_check in ("ssh", "master_port", "clock", "bandwidth"):
         assert by_check[pair_check]["status"] == "skip"
         assert by_check[pair_check]["detail"] == "skipped: one node"
-    for node_check in ("accelerators", "versions", "shared_dir", "data"):
+    for node_check in ("accelerators", "versions", "interconnect", "shared_dir", "data"):
         assert by_check[node_check]["status"] == "pass", by_check[node_check]
     assert by_check["deepspeed"]["detail"] == "skipped: --skip"
     # The shared-dir marker file was removed again.

@@ -264,3 +264,24 @@ def test_a_gpu_node_whose_torch_sees_no_gpu_fails_naming_the_build_and_the_drive
     assert "training_torch_index_url_cuda" in failed[0].fix
     passed = {r.subject: r.detail for r in results if r.status == PASS and "torch sees" in r.detail}
     assert passed["head"] == "torch sees 8 GPU(s): torch 2.13.0+cu126 (CUDA 12.6 build), driver 580.95"
+
+
+def test_interconnect_names_the_nodes_without_infiniband_and_what_nccl_will_use():
+    from trainer.controller.preflight.interconnect import interconnect
+
+    mixed = {"head": {"infiniband": ["mlx5_0"]}, "w1": {"infiniband": ["mlx5_0"]}, "w2": {"infiniband": []}}
+    auto = {r.subject: r for r in interconnect(_cluster(), mixed, _no_answer)}
+    assert auto["head"].status == PASS and "mlx5_0" in auto["head"].detail
+    assert auto["cluster"].status == WARN and "auto: 1 on every node, since w2" in auto["cluster"].detail
+    forced = {
+        r.subject: r for r in interconnect(_cluster(head={"cluster_nccl_ib_disable": 0}), mixed, _no_answer)
+    }
+    assert forced["cluster"].status == FAIL and "is 0 but w2 list no devices" in forced["cluster"].detail
+    everywhere = {name: {"infiniband": ["mlx5_0"]} for name in ("head", "w1", "w2")}
+    auto = {r.subject: r for r in interconnect(_cluster(), everywhere, _no_answer)}
+    assert auto["cluster"].status == PASS and "auto: 0" in auto["cluster"].detail
+    off = {
+        r.subject: r
+        for r in interconnect(_cluster(head={"cluster_nccl_ib_disable": 1}), everywhere, _no_answer)
+    }
+    assert off["cluster"].status == WARN and "cluster_nccl_ib_disable: auto" in off["cluster"].fix

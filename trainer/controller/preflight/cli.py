@@ -145,7 +145,7 @@ def _progress():
 
 
 def _probe_results(cluster, checks: list[str], args, report: Report) -> list[Result]:
-    from trainer.controller.preflight import bandwidth, network, nodes, probe, ssh, storage
+    from trainer.controller.preflight import bandwidth, interconnect, network, nodes, probe, ssh, storage
 
     print(f"preflight: probing {', '.join(checks)} ...", flush=True)
     probes = probe.run_probes(cluster, checks, iperf_seconds=args.iperf_seconds, on_event=_progress())
@@ -169,6 +169,8 @@ def _probe_results(cluster, checks: list[str], args, report: Report) -> list[Res
         results += nodes.accelerators(cluster, facts, missing(probe.NODE_FACTS))
     if "versions" in checks:
         results += nodes.versions(cluster, facts, missing(probe.NODE_FACTS))
+    if "interconnect" in checks:
+        results += interconnect.interconnect(cluster, facts, missing(probe.NODE_FACTS))
     if "clock" in checks:
         results += network.clock_results(cluster, clients, args.clock_bound_s, missing(probe.CLIENT))
     if "shared_dir" in checks:

@@ -21,6 +21,7 @@ CHECKS: tuple[str, ...] = (
     "ufw",
     "accelerators",
     "versions",
+    "interconnect",
     "clock",
     "shared_dir",
     "data",

@@ -109,6 +109,14 @@ def data_checksum(path, found_versions):
     return {"path": path, "kind": kind, "sha256": digest, "bytes": size}
 
 
+def infiniband():
+    """InfiniBand/RoCE devices the kernel lists (NCCL_IB_DISABLE auto reads the same directory)."""
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--venv", required=True)
@@ -123,6 +131,7 @@ def main():
                 "uid": os.getuid(),
                 "gid": os.getgid(),
                 "accelerators": accelerators(),
+                "infiniband": infiniband(),
                 "versions": found_versions,
                 "data": data_checksum(args.data_path, found_versions),
             }
