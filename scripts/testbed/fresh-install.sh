@@ -54,7 +54,7 @@ podman run --rm "${pip_mounts[@]}" "${pip_env[@]}" \
       dpkg-query -W -f="\${Status}" "$pkg" 2>/dev/null | grep -q "install ok installed" \
         || { echo "FAILED: $pkg is listed but not installed"; exit 1; }
     done
-    for cmd in python3 ssh g++ iperf3 podman runc iptables debootstrap; do
+    for cmd in python3 ssh g++ iperf3 podman runc iptables debootstrap slurmctld slurmd sbatch munged; do
       command -v "$cmd" >/dev/null || { echo "FAILED: no $cmd after installing the list"; exit 1; }
     done
     /usr/lib/podman/netavark --version >/dev/null || { echo "FAILED: netavark does not run"; exit 1; }
