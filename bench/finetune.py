@@ -63,7 +63,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
         "train.grad_clip=1.0", "train.seed=1234", f"lora.enabled={args.lora}",
         f"train.gradient_checkpointing={args.gradient_checkpointing}",
         "checkpoint.save_steps=0", "checkpoint.resume=never",
-        "distributed.engine=ddp", "train.log_every=1",
+        "distributed.engine=ddp", "train.log_every=1", f"data.packing={args.packing}",
     ]  # fmt: skip
     return sets
 
@@ -84,6 +84,7 @@ def trainer_run(args: argparse.Namespace, workdir: str) -> dict:
 def hf_run(args: argparse.Namespace, workdir: str) -> dict:
     extra = ["--gradient-checkpointing"] if args.gradient_checkpointing else []
     extra += ["--lora"] if args.lora else []
+    extra += ["--packing"] if args.packing else []
     done = torchrun(
         args.nproc,
         [__file__, "--hf-worker", "--model", args.model, "--data", args.data, "--steps", str(args.steps),
@@ -99,7 +100,6 @@ def hf_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import (
         AutoModelForCausalLM,
-        DataCollatorForSeq2Seq,
         Trainer,
         TrainerCallback,
         TrainingArguments,
@@ -111,16 +111,22 @@ def hf_worker(args: argparse.Namespace) -> None:
     config = load_config(None, overrides(args))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     job = FineTune.prepare(config, world)  # the same tokenized samples the trainer trains on
-    samples = [job.train.sample(i) for i in range(len(job.train))]
-    dataset = [{"input_ids": ids.tolist(), "labels": labels.tolist()} for ids, labels in samples]
+    dataset = [_row(job, i) for i in range(len(job.rows))]
     pad = job.tokenizer.pad_token_id if job.tokenizer.pad_token_id is not None else job.tokenizer.eos_token_id
-    job.tokenizer.pad_token_id = pad
-    padding = DataCollatorForSeq2Seq(job.tokenizer, padding="longest", label_pad_token_id=-100)
     counted = {"tokens": 0}
 
     def collate(features):
         counted["tokens"] += sum(len(f["input_ids"]) for f in features)
-        return padding(features)
+        width = max(len(f["input_ids"]) for f in features)
+        batch = {
+            "input_ids": [f["input_ids"] + [pad] * (width - len(f["input_ids"])) for f in features],
+            "labels": [f["labels"] + [-100] * (width - len(f["labels"])) for f in features],
+        }
+        if args.packing:  # each packed sample restarts its positions; the pads are one more sample
+            batch["position_ids"] = [
+                f["position_ids"] + list(range(width - len(f["input_ids"]))) for f in features
+            ]
+        return {key: torch.tensor(value) for key, value in batch.items()}
 
     cuda = torch.cuda.is_available()
     train = config.train
@@ -172,6 +178,17 @@ def hf_worker(args: argparse.Namespace) -> None:
         )
 
 
+def _row(job, index: int) -> dict:
+    """A training row as plain lists: one sample, or (packing) several with their positions restarted."""
+    input_ids, labels, positions = [], [], []
+    for sample in job.rows.row(index):
+        ids, sample_labels = job.train.sample(int(sample))
+        input_ids += ids.tolist()
+        labels += [-100, *sample_labels[1:].tolist()]  # never predict a sample's first token from the last
+        positions += list(range(len(ids)))
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
+
+
 def build_tiny(workdir: str) -> tuple[str, str]:
     model, data = Path(workdir) / "tiny-qwen2", Path(workdir) / "conversations.json"
     script = REPO / "scripts" / "build_tiny_hf_model.py"
@@ -200,6 +217,7 @@ def main() -> None:
     parser.add_argument("--data", help="conversations (default: the builder's 2000 conversations)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--packing", action="store_true", help="both train on the same packed rows")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's bf16 dense peak")
     parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -231,9 +249,8 @@ def main() -> None:
                 flush=True,
             )
         mean = math.exp(statistics.mean(math.log(r) for r in ratios))
-        options = (", LoRA" if args.lora else "") + (
-            ", gradient checkpointing" if args.gradient_checkpointing else ""
-        )
+        options = (", LoRA" if args.lora else "") + (", packing" if args.packing else "")
+        options += ", gradient checkpointing" if args.gradient_checkpointing else ""
         loss_ours, loss_theirs = (statistics.mean(r["loss"] for r in results) for results in (ours, theirs))
         print(
             f"\n{args.nproc} process(es), micro-batch {args.micro_batch}, {args.steps} steps, max_length "
