@@ -218,3 +218,24 @@ def test_dry_run_reports_the_data_before_anything_starts(tiny_model, chat_data, 
     assert "# data: " in out and "400 conversations records" in out and "truncated" in out
     assert "# packing: " in out
     assert not (tmp_path / "out").exists()
+
+
+def test_the_example_lora_config_checks_out_with_a_model_and_data(tiny_model, chat_data, tmp_path, capsys):  # noqa: F811
+    example = "trainer/node/configs/finetune-lora.yaml"
+    sets = [f"model.name_or_path={tiny_model}", f"data.path={chat_data}", f"output_dir={tmp_path / 'out'}"]
+    assert main(["train", "--config", example, "--dry-run", *[a for s in sets for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out
+    assert "engine: deepspeed" in out and "r: 64" in out and "# data: " in out
+    # Without a model the example is refused, naming what to set.
+    assert main(["train", "--config", example, "--set", f"output_dir={tmp_path / 'out'}"]) == 2
+    assert "set model.name_or_path to a model directory" in capsys.readouterr().err
+
+
+def test_warmup_ratio_replaces_warmup_steps():
+    from trainer.node.optim import lr_multiplier
+
+    config = load_config(
+        None, ["train.max_steps=200", "train.warmup_ratio=0.05", "train.warmup_steps=3"]
+    ).train
+    assert config.warmup() == 10
+    assert lr_multiplier(8, config) < lr_multiplier(9, config) < 1.0 == lr_multiplier(10, config)
