@@ -17,12 +17,32 @@ import sys
 from pathlib import Path
 
 
+def interface_of_by_ioctl(address: str) -> str:
+    """The interface whose primary IPv4 address is `address`, asked of the kernel directly: for nodes
+    without iproute2 (a minimal image), where `ip` cannot be run."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address on this interface
+            if socket.inet_ntoa(answer[20:24]) == address:
+                return name
+    return ""
+
+
 def interface_of(address: str) -> str:
     """The interface holding `address` ('' if none), from `ip -o addr show`."""
     try:
         listing = subprocess.run(
             ["ip", "-o", "addr", "show"], capture_output=True, text=True, check=True
         ).stdout
+    except FileNotFoundError:
+        return interface_of_by_ioctl(address)
     except (OSError, subprocess.CalledProcessError):
         return ""
     for line in listing.splitlines():
