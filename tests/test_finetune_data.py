@@ -239,3 +239,22 @@ def test_warmup_ratio_replaces_warmup_steps():
     ).train
     assert config.warmup() == 10
     assert lr_multiplier(8, config) < lr_multiplier(9, config) < 1.0 == lr_multiplier(10, config)
+
+
+def test_a_hub_id_without_a_reachable_hub_says_how_to_download_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", "--dry-run",
+         "--set", "model.name_or_path=someorg/some-model"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == exitcodes.CONFIG_ERROR, done.stderr[-2000:]
+    assert (
+        "model.name_or_path: 'someorg/some-model' is not a local directory, and loading it as a hub id"
+        in done.stderr
+    )
+    assert "huggingface-cli download someorg/some-model --local-dir DIR" in done.stderr
