@@ -62,6 +62,8 @@ class Trainer:
     """The eval loss (same on every rank; all ranks call it together), or None without eval data."""
     eval_every: int = 0
     """Evaluate every this many steps (0: at the last step only)."""
+    on_step_start: Callable[[int], None] | None = None
+    """Called with each step's number as this rank starts it (trainer.node.progress)."""
     run_facts: dict[str, Any] = field(default_factory=dict)
     steps_this_run: int = 0
 
@@ -80,6 +82,8 @@ class Trainer:
         started = time.perf_counter()
         try:
             for step in range(start + 1, train.max_steps + 1):
+                if self.on_step_start is not None:
+                    self.on_step_start(step)
                 step_start = time.perf_counter()
                 local_loss = self.engine.train_step(self._micro_batches(step))
                 step_time = time.perf_counter() - step_start

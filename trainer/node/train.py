@@ -141,6 +141,7 @@ def train(
     from trainer.node.loop import Trainer
     from trainer.node.metrics import RUN_FILE, Reporter
     from trainer.node.model import GPT
+    from trainer.node.progress import Progress
 
     topology = distributed.discover(config.distributed.backend)
     output_dir = Path(config.output_dir)
@@ -164,6 +165,8 @@ def train(
         host=topology.hostname,
         say=reporter.info,
     )
+    # The step each rank is in, for the launcher's stall watchdog (nothing outside `trainer launch`).
+    progress = Progress.from_env(topology.rank, topology.local_rank)
     try:
         for note in [*notes, resume_note]:
             if note:
@@ -269,9 +272,10 @@ def train(
             checkpoints=checkpoints,
             reporter=reporter,
             resume_from=resume_from,
-            hooks=(*(hooks or ()), *health.step_hooks(on_gpu=on_gpu)),
+            hooks=(*(hooks or ()), progress.step_done, *health.step_hooks(on_gpu=on_gpu)),
             evaluate=evaluate,
             eval_every=config.eval.every_steps,
+            on_step_start=progress.started,
         )
         code = trainer.train()
         if finetune is not None and code == exitcodes.OK:
@@ -289,6 +293,7 @@ def train(
         print(f"trainer: rank {topology.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return exitcodes.FAILURE
     finally:
+        progress.close()
         health.stop()
         distributed.shutdown(clean)
 

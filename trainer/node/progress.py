@@ -1,0 +1,139 @@
+"""Each rank's progress, for the launcher's stall watchdog, and its stack when the launcher asks.
+
+Under `trainer launch`, run.sh sets CLUSTERTRAIN_PROGRESS_DIR (`<run>/launch/node-N/progress`). Each
+rank then keeps `rank-R.json` there: the step it is in (`started`) and the last one it finished
+(`done`). A background thread writes the file when they change, at most once a second, so a step
+costs two assignments. The launcher reads the files with each poll; when no rank advances for
+--stall-timeout seconds it stops the job and names the ranks that were behind (a rank still in step
+k while its peers wait in step k+1's collective). The rank also registers faulthandler on SIGUSR1,
+writing every thread's Python stack to `stack-R.txt` there: the launcher asks for it after a stall,
+without ptrace and without root.
+
+Without CLUSTERTRAIN_PROGRESS_DIR (a run by hand) nothing is written.
+
+Test hook: TRAINER_TEST_STALL=RANK:STEP[:SECONDS] makes global rank RANK sleep SECONDS (default 3600)
+before it starts step STEP, as a rank stuck outside a collective would be.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+DIRECTORY_VARIABLE = "CLUSTERTRAIN_PROGRESS_DIR"
+STALL_VARIABLE = "TRAINER_TEST_STALL"
+#: Seconds between two writes of a rank's file at most.
+WRITE_INTERVAL_S = 1.0
+
+
+class Progress:
+    def __init__(self, directory: Path | None, rank: int, local_rank: int = 0) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.local_rank = local_rank
+        self.started_step: int | None = None
+        self.done_step: int | None = None
+        self._stall = _parse_stall(os.environ.get(STALL_VARIABLE, ""), rank)
+        self._wake = threading.Event()
+        self._closed = False
+        self._stack_file: IO[str] | None = None
+        self._thread: threading.Thread | None = None
+        if directory is None:
+            return
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._stack_file = open(directory / f"stack-{rank}.txt", "a")  # noqa: SIM115 - open for the run
+            faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
+        except (OSError, RuntimeError, ValueError):
+            self._stack_file = None
+        self._write()
+        self._thread = threading.Thread(target=self._writer, name="progress", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls, rank: int, local_rank: int = 0) -> Progress:
+        raw = os.environ.get(DIRECTORY_VARIABLE, "")
+        return cls(Path(raw) if raw else None, rank, local_rank)
+
+    def started(self, step: int) -> None:
+        """Called as the rank starts `step` (trainer.node.loop.Trainer.on_step_start)."""
+        if self._stall is not None and step == self._stall[0]:
+            print(
+                f"trainer: rank {self.rank} sleeps {self._stall[1]:g} s before step {step} "
+                f"({STALL_VARIABLE})",
+                flush=True,
+            )
+            time.sleep(self._stall[1])
+        self.started_step = step
+        self._wake.set()
+
+    def step_done(self, result: Any) -> None:
+        """A per-step hook (trainer.node.loop.StepHook): the step is done; never stops the run."""
+        self.done_step = result.step
+        self._wake.set()
+        return None
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": self.started_step,
+            "done": self.done_step,
+            "time": time.time(),
+            "stack_signal": "SIGUSR1" if self._stack_file is not None else None,
+            "stack_file": str(self.directory / f"stack-{self.rank}.txt") if self._stack_file else None,
+        }
+
+    def _write(self) -> None:
+        if self.directory is None:
+            return
+        target = self.directory / f"rank-{self.rank}.json"
+        tmp = target.with_name(f".{target.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.record()))
+            tmp.replace(target)
+        except OSError:
+            pass  # the watchdog sees no progress from this rank; training goes on
+
+    def _writer(self) -> None:
+        written: tuple[int | None, int | None] = (None, None)
+        while not self._closed:
+            self._wake.wait(timeout=5.0)
+            self._wake.clear()
+            if (self.started_step, self.done_step) != written:
+                written = (self.started_step, self.done_step)
+                self._write()
+            time.sleep(WRITE_INTERVAL_S)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        if self.directory is not None:
+            self._write()
+        if self._stack_file is not None:
+            try:
+                faulthandler.unregister(signal.SIGUSR1)
+            finally:
+                self._stack_file.close()
+
+
+def _parse_stall(value: str, rank: int) -> tuple[int, float] | None:
+    """TRAINER_TEST_STALL for this rank: (step, seconds), or None."""
+    parts = value.split(":") if value else []
+    try:
+        if len(parts) >= 2 and int(parts[0]) == rank:
+            return int(parts[1]), float(parts[2]) if len(parts) > 2 else 3600.0
+    except ValueError:
+        pass
+    return None
