@@ -258,3 +258,15 @@ def test_a_hub_id_without_a_reachable_hub_says_how_to_download_it(tmp_path):
         in done.stderr
     )
     assert "huggingface-cli download someorg/some-model --local-dir DIR" in done.stderr
+
+
+def test_an_eval_file_or_a_held_out_fraction(tiny_model, chat_data, tmp_path):  # noqa: F811
+    base = [f"model.name_or_path={tiny_model}", f"data.path={chat_data}"]
+    held_out = FineTune.prepare(load_config(None, [*base, "data.eval_fraction=0.1"]), world_size=2)
+    assert (len(held_out.train), len(held_out.eval)) == (360, 40)
+    again = FineTune.prepare(load_config(None, [*base, "data.eval_fraction=0.1"]), world_size=2)
+    assert np.array_equal(held_out.eval.ids, again.eval.ids)  # the same on every rank and every run
+    eval_file = write_json(tmp_path / "eval.json", [CHAT] * 5)
+    separate = FineTune.prepare(load_config(None, [*base, f"data.eval_path={eval_file}"]), world_size=2)
+    assert (len(separate.train), len(separate.eval)) == (400, 5)
+    assert any(note.startswith(f"eval data: {eval_file}: 5 conversations records") for note in separate.notes)
