@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from trainer.configerror import ConfigError
-from trainer.node.hf.chat import IGNORE, assistant_labels, normalize, render
+from trainer.node.hf.chat import IGNORE, assistant_labels, ensure_chat_template, normalize, render
 
 FORMATS = ("conversations", "messages", "text")
 
@@ -145,6 +145,8 @@ class Tokenized:
     truncated: int = 0
     dropped_overlong: int = 0
     dropped_untrained: int = 0
+    template_note: str | None = None
+    """Set when the tokenizer had no chat template and ChatML was used."""
 
     def summary(self, source: str, max_length: int, overlong: str) -> str:
         parts = [f"data: {source}: {self.records} {self.data_format} records -> {len(self.samples)} samples"]
@@ -181,11 +183,15 @@ def tokenize(
             )
         return Tokenized(samples=_chunk_text(tokenizer, text, max_length), data_format="text", records=1)
     data_format = detect_format(records, data_format, key)
+    template_note = None
     if data_format == "text":
         pairs = _text_records(tokenizer, records, key)
     else:
+        template_note = ensure_chat_template(tokenizer)
         pairs = _chat_records(tokenizer, records, data_format)
-    return _fit(pairs, data_format, len(records), max_length, overlong)
+    result = _fit(pairs, data_format, len(records), max_length, overlong)
+    result.template_note = template_note
+    return result
 
 
 def _chunk_text(tokenizer: Any, text: str, max_length: int) -> Samples:

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.configerror import ConfigError
 from trainer.node.hf import dataset
-from trainer.node.hf.chat import ensure_chat_template
 from trainer.node.hf.model import check_source, load_model_config, load_tokenizer, pad_token_id
 from trainer.node.hf.packing import Rows, one_per_row, pack
 
@@ -65,10 +64,6 @@ class FineTune:
         notes = []
         target_modules = _check_lora(config, model_config) if config.lora.enabled else None
         data = config.data
-        if data.format in ("auto", "conversations", "messages") and _may_be_chat(data.path, data.format):
-            note = ensure_chat_template(tokenizer)
-            if note:
-                notes.append(note)
         tokenized = dataset.tokenize(
             tokenizer,
             data.path,
@@ -76,6 +71,8 @@ class FineTune:
             max_length=config.model.max_length,
             overlong=data.overlong,
         )
+        if tokenized.template_note:
+            notes.append(tokenized.template_note)
         notes.append(
             tokenized.summary(data.path or "the bundled text", config.model.max_length, data.overlong)
         )
@@ -257,14 +254,6 @@ class FineTune:
         if is_main:
             save_pretrained(self.model, unwrap_state(state), self.tokenizer, directory)
         return directory
-
-
-def _may_be_chat(path: str, data_format: str) -> bool:
-    """Whether the data may hold chats (plain text never does): only then is a chat template needed."""
-    if data_format in ("conversations", "messages"):
-        return True
-    records, _ = dataset.read_source(path)
-    return records is not None and dataset.detect_format(records, "auto") != "text"
 
 
 def _check_lora(config: TrainerConfig, model_config: Any) -> list[str]:
