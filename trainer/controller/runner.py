@@ -11,6 +11,8 @@ API::
         on_event=print,                    # called on the caller's thread with each event dict, once
         cancel=threading.Event(),          # set it to stop the run (ansible-playbook is terminated)
         limit="head", tags="probe",        # optional --limit / --tags
+        on_message=handle,                 # messages of the playbook's action plugins (see below)
+        on_tick=check_clock,               # called on the caller's thread about twice a second
     )
     result.status                          # "successful" | "failed" | "canceled" | "timeout"
     result.rc                              # ansible-playbook's exit code (254 when canceled)
@@ -35,6 +37,13 @@ Why it looks like this (the known ansible-runner traps):
   path, a typed sudo password as the answer to its --ask-become-pass prompt, set on the runner's config
   in memory in the status handler (given as `passwords=`, ansible-runner writes it to env/passwords);
   so no password is on a command line, in the environment, or in a file of the private dir;
+- nothing per event is kept: ansible-runner writes no job_events files and no stdout file for these
+  runs (the event handler says not to; `result.output` is the tail of the output, kept in memory),
+  and events are deduplicated against a bounded window, so a watch of days keeps flat memory;
+- messages that should not be Ansible events at all (a watch's poll every two seconds for days)
+  go through a channel: with `on_message`, the playbook gets `runner_channel`, the path of a Unix
+  socket in the private dir, where an action plugin writes JSON lines; each one is handed to
+  `on_message` on the caller's thread, like an event;
 - a canceled run's ansible-playbook outlives ansible-runner's kill (it runs in a session of its own),
   so every process of a run carries CLUSTERTRAIN_RUNNER_ID in its environment and whatever still
   carries it when the run ends is terminated. On a local connection that includes processes a task
@@ -44,17 +53,20 @@ Why it looks like this (the known ansible-runner traps):
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import re
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +102,13 @@ ENV_ALLOW_LIST = frozenset(
 
 #: How often (seconds) ansible-runner looks at the cancel flag.
 CANCEL_POLL_S = 0.5
+#: How often (seconds) `on_tick` is called while a run is going.
+TICK_S = 0.5
+#: Event uuids remembered to drop repeats (ansible-runner repeats an event only right after itself).
+SEEN_EVENTS = 4096
+#: Characters of ansible-playbook's own output kept for `result.output`.
+OUTPUT_TAIL = 4000
+PRIVATE_DIR_PREFIX = "clustertrain-runner-"
 #: Marks the processes of one run: ansible-runner's cancel kills the process it spawned, but
 #: ansible-playbook (ansible-core 2.19) runs in a session of its own and outlives that, with its
 #: workers and, on local connections, the modules they run.
@@ -224,6 +243,79 @@ def _end_processes(marker: str, grace_s: float = 3.0) -> None:
             time.sleep(0.1)
 
 
+def _owner_text() -> str:
+    """This process, as written into a private dir it owns: pid and start time (pids are reused)."""
+    try:
+        started = Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = ""
+    return f"{os.getpid()} {started}"
+
+
+def _owner_alive(text: str) -> bool:
+    try:
+        pid, started = text.split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19] == started
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def remove_stale_private_dirs(parent: str | None = None) -> list[str]:
+    """Remove the private dirs of runs whose process is gone (a launcher killed with -9 cannot clean
+    up after itself, and its dir may hold the run's secrets). Only dirs with our owner file."""
+    removed = []
+    for path in Path(parent or tempfile.gettempdir()).glob(PRIVATE_DIR_PREFIX + "*"):
+        try:
+            if path.stat().st_uid != os.geteuid():
+                continue
+            owner = (path / "owner").read_text()
+        except OSError:
+            continue
+        if not _owner_alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+class _Channel:
+    """A Unix socket in the private dir; each JSON line a client writes becomes a queue item."""
+
+    def __init__(self, path: str, events: queue.Queue[dict[str, Any]]) -> None:
+        self.path = path
+        self.events = events
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(path)
+        os.chmod(path, 0o600)
+        self.server.listen(64)
+        self.server.settimeout(0.2)
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._accept, name="runner-channel", daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as stream:
+            for line in stream:
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    continue
+                self.events.put({"event": "channel_message", "message": message})
+
+    def close(self) -> None:
+        self.closed.set()
+        self.server.close()
+
+
 def _task_result(event: dict[str, Any], status: str) -> TaskResult:
     data = event.get("event_data", {})
     return TaskResult(
@@ -249,12 +341,16 @@ def run_playbook(
     verbosity: int = 0,
     env: Mapping[str, str] | None = None,
     access: access_options.Access | None = None,
+    on_message: Callable[[dict[str, Any]], None] | None = None,
+    on_tick: Callable[[], None] | None = None,
 ) -> PlaybookResult:
     """Run `playbook` against `inventory` and return what happened on each host.
 
     Blocks until the run ends; `on_event` is called on this thread for each event as it arrives.
     `env` adds variables (e.g. ANSIBLE_FORKS) on top of the filtered environment. `access` (default:
     what the command line configured, trainer.controller.access) gives the sudo and vault passwords.
+    `on_message` receives what action plugins write to `runner_channel` (see the module's docstring);
+    `on_tick` is called every TICK_S seconds, both on this thread.
     KeyboardInterrupt cancels the run (ansible-playbook is terminated) and is then re-raised.
     """
     import ansible_runner  # imported here: heavy, and only the controller's run paths need it
@@ -280,7 +376,7 @@ def run_playbook(
 
     def copy_event(event: dict[str, Any]) -> bool:
         events.put(event)
-        return True
+        return False  # ansible-runner writes no job_events file for it
 
     def filter_env(status_data: dict[str, Any], runner_config: Any = None) -> None:
         # "starting" comes before ansible-runner writes artifacts/<id>/command and spawns the process.
@@ -293,14 +389,21 @@ def run_playbook(
             # In memory only: ansible-runner turns `passwords=` into this, after writing env/passwords.
             runner_config.expect_passwords = answers
 
-    private_data_dir = tempfile.mkdtemp(prefix="clustertrain-runner-")
+    remove_stale_private_dirs()
+    private_data_dir = tempfile.mkdtemp(prefix=PRIVATE_DIR_PREFIX)
+    channel: _Channel | None = None
     try:
+        Path(private_data_dir, "owner").write_text(_owner_text())
+        extravars = dict(extravars or {})
+        if on_message is not None:
+            channel = _Channel(os.path.join(private_data_dir, "channel"), events)
+            extravars["runner_channel"] = channel.path
         thread, runner = ansible_runner.run_async(
             private_data_dir=private_data_dir,
             project_dir=str(playbook.parent),
             playbook=str(playbook),
             inventory=str(inventory),
-            extravars=dict(extravars or {}),
+            extravars=extravars,
             limit=limit,
             tags=tags,
             verbosity=verbosity or None,
@@ -310,20 +413,36 @@ def run_playbook(
             status_handler=filter_env,
             cancel_callback=cancel.is_set,
             timeout=timeout_s,
-            settings={"pexpect_timeout": CANCEL_POLL_S},
+            settings={"pexpect_timeout": CANCEL_POLL_S, "suppress_output_file": True},
             cmdline=shlex.join(cmdline) if cmdline else None,
         )
         results: list[TaskResult] = []
         stats: dict[str, Any] = {}
         seen: set[str] = set()
+        seen_order: deque[str] = deque()
+        output: deque[str] = deque()
+        output_chars = 0
 
         def handle(event: dict[str, Any]) -> None:
+            nonlocal output_chars
+            name = event.get("event", "")
+            if name == "channel_message":
+                if on_message is not None:
+                    on_message(event["message"])
+                return
             uuid = event.get("uuid")
             if uuid:
                 if uuid in seen:
                     return
                 seen.add(uuid)
-            name = event.get("event", "")
+                seen_order.append(uuid)
+                if len(seen_order) > SEEN_EVENTS:
+                    seen.discard(seen_order.popleft())
+            if text := event.get("stdout"):
+                output.append(text)
+                output_chars += len(text) + 1
+                while output_chars > OUTPUT_TAIL and len(output) > 1:
+                    output_chars -= len(output.popleft()) + 1
             if name in _RESULT_EVENTS:
                 results.append(_task_result(event, _RESULT_EVENTS[name]))
             elif name == "playbook_on_stats":
@@ -331,26 +450,26 @@ def run_playbook(
             if on_event is not None:
                 on_event(event)
 
+        next_tick = time.monotonic() + TICK_S
         try:
             while thread.is_alive() or not events.empty():
-                try:
+                with contextlib.suppress(queue.Empty):
                     handle(events.get(timeout=0.1))
-                except queue.Empty:
-                    continue
+                if on_tick is not None and time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + TICK_S
+                    on_tick()
         except BaseException:
             cancel.set()
             thread.join()
             raise
         thread.join()
-        output = ""
-        try:
-            with runner.stdout as stdout:
-                output = stdout.read()[-4000:]
-        except (OSError, AttributeError):
-            pass
         rc = runner.rc if isinstance(runner.rc, int) else 1
-        return PlaybookResult(status=runner.status, rc=rc, results=results, stats=stats, output=output)
+        return PlaybookResult(
+            status=runner.status, rc=rc, results=results, stats=stats, output="\n".join(output)[-OUTPUT_TAIL:]
+        )
     finally:
+        if channel is not None:
+            channel.close()
         # After a cancel (or a crash of ansible-runner) ansible-playbook may still be running.
         _end_processes(marker)
         shutil.rmtree(private_data_dir, ignore_errors=True)

@@ -1,31 +1,48 @@
 """`trainer launch -i INVENTORY [-- COMMAND]`: start the trainer, or the user's own command, on every
-host at once and follow it to the end.
+host at once and follow it to the end; stop every host on the first failure, and relaunch from the
+latest checkpoint when asked to (`--max-restarts`).
 
-Three playbooks, all through trainer.controller.runner (ansible-runner):
-- start.yml checks every node (venv, the interface for NCCL/gloo, InfiniBand devices, no run of the
-  same name still running, the command's working directory and program), writes the run's files on
-  the head (config, DeepSpeed JSON, hostfile, accelerate configs), keeps the previous launch's logs
-  and starts each node's run.sh (torchrun, or the command) detached in its own process group;
-- watch.yml polls every node (state, exit record, new log lines) until its trainer ends, each poll
-  streamed as an event: rank 0's lines and a state line per host are shown as they come;
-- stop.yml stops the process group on every node. It runs as soon as any host fails, on Ctrl-C,
-  and with `--stop`; the command then names the first failing host and rank with its last lines.
+Every step on the nodes goes through trainer.controller.runner (ansible-runner) and the launch_node
+action plugin (playbooks/action_plugins/launch_node.py): one round trip per step and node, each
+with a timeout, no module built or copied.
+- start.yml probes every node (user, venv, the interface for NCCL/gloo, InfiniBand devices, the
+  master port, no run of the same name still running, the command's working directory and
+  program), then on every node at once keeps the previous launch's logs, writes the run's files and
+  run.sh and starts it detached in its own process group, then follows each node: a long poll that
+  answers as soon as there are new lines (rank 0's are shown, plus a state line per host), streamed
+  through the runner's channel rather than as Ansible events;
+- stop.yml stops the process group on every node (with each rank's stack first after a stall). It
+  runs as soon as any host fails, on Ctrl-C, TERM or HUP, and with `--stop`.
+
+A node that stops answering is shown as `unreachable (Ns)` while its trainer keeps running; it is
+failed only after `--unreachable-grace` seconds. No rank advancing a step (the bundled trainer) or
+no node printing a line (a user's command) for `--stall-timeout` seconds stops every node and names
+the ranks that were behind. With `--max-restarts K`, a failed run (a trainer's exit code, a lost
+node, a GPU fault, a stall) is stopped everywhere and started again up to K times; the bundled
+trainer resumes from the latest complete checkpoint. `--exclude-failed` leaves out a node that
+failed twice when the rest still divide the effective batch. Each restart is a line here and a
+record in `<run>/launch/history.jsonl`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
+import os
 import signal
+import socket
 import sys
 import threading
 import time
 import uuid
-from pathlib import Path
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 from trainer import exitcodes
-from trainer.controller.inventory import InventoryError
+from trainer.controller.inventory import InventoryError, load_cluster
 from trainer.controller.launcher.launchfiles import launch_files
 from trainer.controller.launcher.live import JobMonitor, LiveView, describe
 from trainer.controller.launcher.plan import (
@@ -33,106 +50,273 @@ from trainer.controller.launcher.plan import (
     JobPlan,
     PlanError,
     add_job_arguments,
+    make_plan,
     plan_from_args,
 )
+from trainer.controller.launcher.runscript import node_dir, run_script
 from trainer.controller.launcher.topology import AUTO_IFNAME, TopologyError
 from trainer.controller.runner import PlaybookResult, run_playbook
 from trainer.controller.training_env import IB_AUTO
 
-PLAYBOOKS = Path(__file__).parent / "playbooks"
+PLAYBOOKS = PurePosixPath(__file__).parent / "playbooks"
+PROBE_TASK = "Probe the node (user, venv, interface, master port, previous run, InfiniBand, command)"
 START_TASK = "Start the trainer in its own process group"
-BECOME_TASK = "Remember the interface and whether to become the training user"
+WATCH_TASK = "Follow the trainer until it ends"
 STOP_TASK = "Stop the trainer's process group"
+STATUS_TASK = "Read the node's state"
 INTERRUPTED = 130
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
 TAKES_COMMAND = True
+#: Seconds a probe, check or whoami may take on a node before it counts as no answer.
+COMMAND_TIMEOUT_S = 60
+#: The bundled trainer's default --stall-timeout (a user's command has none unless given).
+BUNDLED_STALL_TIMEOUT_S = 600.0
+#: Exit codes of the bundled trainer that a restart would only repeat (config, data).
+NOT_RESTARTABLE = {exitcodes.CONFIG_ERROR, exitcodes.DATA_ERROR}
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """How a launch is followed (the command line's --poll-interval, --unreachable-grace, ...)."""
+
+    poll_interval_s: float = 2.0
+    unreachable_grace_s: float = 60.0
+    stall_timeout_s: float | None = None
+    stop_grace_s: float = 10.0
+
+    @property
+    def status_timeout_s(self) -> float:
+        """How long one poll may go unanswered before it counts as missed (beyond its own wait)."""
+        return min(30.0, max(5.0, self.unreachable_grace_s / 3))
+
+
+@dataclass
+class Outcome:
+    """How one attempt ended."""
+
+    code: int
+    kind: str
+    """done | failed | unreachable | gpu_fault | stall | interrupted | start_failed | watch_failed"""
+    hosts: list[str] = field(default_factory=list)
+    """The hosts to blame (a failure's first host; a stall's hosts that were behind)."""
+    reason: str = ""
+    restartable: bool = False
+    latest_checkpoint: str = ""
 
 
 class Launcher:
-    def __init__(self, plan: JobPlan, poll_interval_s: float = 2.0, stop_grace_s: float = 10.0) -> None:
+    def __init__(self, plan: JobPlan, options: WatchOptions = WatchOptions()) -> None:
         self.plan = plan
-        self.poll_interval_s = poll_interval_s
-        self.stop_grace_s = stop_grace_s
-        topo = plan.topology
-        # One fork per host: the watch task polls every host at once (the default of 5 would not).
+        self.options = options
+        # One fork per host: the watch polls every host at once (the default of 5 would not).
+        # ansible.cfg of the current directory is not read for these playbooks' settings that matter
+        # here, so they are set outright.
         self.env = {
-            "ANSIBLE_FORKS": str(max(5, topo.nnodes)),
+            "ANSIBLE_FORKS": str(max(5, plan.topology.nnodes)),
             "ANSIBLE_PIPELINING": "True",
             "ANSIBLE_NOCOLOR": "True",
+            "ANSIBLE_GATHERING": "explicit",
+            "ANSIBLE_RETRY_FILES_ENABLED": "False",
         }
         self.become: dict[str, bool] = {}
-        #: Tags every process this launch starts (see node_ctl.py), so a stop finds them all.
-        self.launch_id = f"{plan.run_name}-{uuid.uuid4().hex[:12]}"
-        self.files = launch_files(plan)
+        self.attempt_number = 0
+        self.new_launch()
 
-    def extravars(self) -> dict[str, Any]:
-        plan, topo = self.plan, self.plan.topology
+    def new_launch(self) -> None:
+        #: Tags every process this launch starts (see node_ctl.py), so a stop finds them all.
+        self.launch_id = f"{self.plan.run_name}-{uuid.uuid4().hex[:12]}"
+        self.files = launch_files(self.plan)
+
+    @property
+    def hosts(self) -> list[str]:
+        return [n.host for n in self.plan.topology.nodes]
+
+    # --- what the playbooks get ---------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """launch.json on every node: what `trainer status` and `trainer attach` read back."""
+        plan, options = self.plan, self.options
+        return {
+            "launch_id": self.launch_id,
+            "run_name": plan.run_name,
+            "attempt": self.attempt_number,
+            "bundled_trainer": plan.runs_bundled_trainer,
+            "head": plan.topology.head.host,
+            "nodes": {n.host: n.node_rank for n in plan.topology.nodes},
+            "gpus_per_node": plan.topology.gpus_per_node,
+            "launched_at": time.time(),
+            "controller": socket.gethostname(),
+            "launcher_pid": os.getpid(),
+            "poll_interval_s": options.poll_interval_s,
+            "unreachable_grace_s": options.unreachable_grace_s,
+            "stall_timeout_s": options.stall_timeout_s,
+            "stop_grace_s": options.stop_grace_s,
+        }
+
+    def extravars(self, **extra: Any) -> dict[str, Any]:
+        plan, topo, options = self.plan, self.plan.topology, self.options
+        venv_bin = str(PurePosixPath(plan.training_venv) / "bin")
+        nodes = {}
+        for n in topo.nodes:
+            check = (
+                {}
+                if plan.runs_bundled_trainer
+                else {"workdir": plan.workdir(n), "program": plan.node_command(n)[0], "venv_bin": venv_bin}
+            )
+            nodes[n.host] = {
+                "node_rank": n.node_rank,
+                "address": n.address,
+                "ifname_auto": n.nccl_socket_ifname == AUTO_IFNAME,
+                "node_dir": node_dir(plan, n),
+                "check": check,
+                "run_sh": run_script(plan, n, n.host),
+                "secret_env": plan.node_secret_env(n),
+                # The head's files this node's command reads: wait until the shared dir shows them.
+                "wait_for": [
+                    f"{plan.launch_dir}/config.yaml"
+                    if plan.runs_bundled_trainer
+                    else plan.accelerate_config_path(n)
+                ],
+            }
         return {
             "launch_run_name": plan.run_name,
             "launch_id": self.launch_id,
             "launch_dir": plan.launch_dir,
+            "launch_output_dir": plan.output_dir,
             "launch_head": topo.head.host,
             "launch_master_port": topo.master_port,
             "launch_training_user": plan.training_user,
-            "launch_nodes": {
-                n.host: {
-                    "node_rank": n.node_rank,
-                    "address": n.address,
-                    "ifname_auto": n.nccl_socket_ifname == AUTO_IFNAME,
-                    "env": plan.node_env(n),
-                    "secret_env": plan.node_secret_env(n),
-                    "workdir": plan.workdir(n),
-                    "command": plan.node_command(n),
-                    # The head's files this node's command reads: wait until the shared dir shows them.
-                    "wait_for": [
-                        f"{plan.launch_dir}/config.yaml"
-                        if plan.runs_bundled_trainer
-                        else plan.accelerate_config_path(n)
-                    ],
-                }
-                for n in topo.nodes
-            },
-            "launch_ib_auto": topo.nccl_ib_disable == IB_AUTO,
+            "launch_nodes": nodes,
             "launch_venv_needs": ["python", "torchrun", "trainer"]
             if plan.runs_bundled_trainer
             else ["python"],
-            "launch_files": self.files,
-            "launch_has_secrets": plan.has_secrets,
+            "launch_files": {},
+            "launch_info": {},
+            "launch_record": {},
             "launch_become_hosts": self.become,
-            "launch_poll_delay": self.poll_interval_s,
-            "launch_poll_retries": 10**7,
-            "launch_stop_grace_s": self.stop_grace_s,
+            "launch_command_timeout_s": COMMAND_TIMEOUT_S,
+            "launch_poll_s": options.poll_interval_s,
+            "launch_status_timeout_s": options.status_timeout_s,
+            # A safety net only: the launcher fails the node after the grace and cancels the watch.
+            "launch_give_up_s": options.unreachable_grace_s + 300,
+            "launch_stop_grace_s": options.stop_grace_s,
+            "launch_stacks": False,
+            "launch_stop_record": {},
+            "launch_tail": 20,
+            **extra,
         }
 
-    def _run(self, playbook: str, **kwargs: Any) -> PlaybookResult:
-        extravars = self.extravars()
+    def _run(self, playbook: str, extravars: dict[str, Any], **kwargs: Any) -> PlaybookResult:
         if playbook != "start.yml":
             # Only the start needs the files and secrets; the other playbooks never see them.
-            extravars["launch_files"] = {}
             for node in extravars["launch_nodes"].values():
                 node["secret_env"] = {}
+                node["run_sh"] = ""
         return run_playbook(
-            PLAYBOOKS / playbook, self.plan.topology.inventory, extravars, env=self.env, **kwargs
+            PLAYBOOKS / playbook,
+            self.plan.topology.inventory,
+            extravars,
+            env=self.env,
+            limit=",".join(self.hosts),
+            **kwargs,
         )
 
-    def stop(self, monitor: JobMonitor | None = None) -> PlaybookResult:
-        """Stop the run on every host. A second Ctrl-C must not cut this short (it would leave
-        trainers running), so SIGINT is ignored until the stop playbook is done."""
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # --- stop ---------------------------------------------------------------------------------
+
+    def stop(
+        self, monitor: JobMonitor | None = None, *, stacks: bool = False, record: dict | None = None
+    ) -> PlaybookResult:
+        """Stop the run on every host. A second Ctrl-C (or TERM, or HUP) must not cut this short (it
+        would leave trainers running), so they are ignored until the stop playbook is done."""
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
         try:
-            result = self._run("stop.yml")
+            result = self._run(
+                "stop.yml",
+                self.extravars(launch_stacks=stacks, launch_stop_record=record or {}),
+            )
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if monitor is not None:
             for host, items in result.ok.items():
                 for item in items:
-                    if item.task == STOP_TASK and host in monitor.hosts and item.result.get("stdout"):
-                        monitor.apply(monitor.hosts[host], json.loads(item.result["stdout"]))
+                    if item.task == STOP_TASK and host in monitor.hosts and "state" in item.result:
+                        monitor.apply(monitor.hosts[host], item.result)
         return result
 
-    def launch(self, view: LiveView) -> int:
+    @staticmethod
+    def stop_problems(result: PlaybookResult) -> list[str]:
+        """Hosts where the stop could not be confirmed, with why."""
+        problems = []
+        for host, items in {**result.failed, **result.unreachable}.items():
+            problems.append(f"{host} ({(items[-1].message.splitlines() or [items[-1].status])[0][:200]})")
+        return problems
+
+    # --- one attempt --------------------------------------------------------------------------
+
+    def monitor(self, view: LiveView) -> JobMonitor:
+        topo = self.plan.topology
+        return JobMonitor(
+            {n.host: n.node_rank for n in topo.nodes},
+            topo.head.host,
+            view,
+            unreachable_grace_s=self.options.unreachable_grace_s,
+            stall_timeout_s=self.options.stall_timeout_s,
+            progress_from_steps=self.plan.runs_bundled_trainer,
+            ranks={n.host: n.global_ranks(topo.gpus_per_node) for n in topo.nodes},
+        )
+
+    def attempt(self, view: LiveView, record: dict[str, Any]) -> Outcome:
+        """Start the job on every node and follow it until it ends, fails or stalls."""
         plan, topo = self.plan, self.plan.topology
+        self.attempt_number += 1
+        monitor = self.monitor(view)
+        view.states(monitor.ordered)
+        probes: dict[str, dict[str, Any]] = {}
+        started: set[str] = set()
+        start_failures: list[tuple[str, str, str, str]] = []
+        cancel = threading.Event()
+
+        def on_event(event: dict[str, Any]) -> None:
+            name, data = event.get("event", ""), event.get("event_data", {})
+            task, host, res = data.get("task"), data.get("host"), data.get("res") or {}
+            if name == "playbook_on_task_start" and task == WATCH_TASK and topo.nccl_ib_disable == IB_AUTO:
+                every = all(probes.get(h, {}).get("ib_devices") for h in self.hosts)
+                view.message(
+                    f"NCCL_IB_DISABLE auto: {0 if every else 1} ("
+                    + (
+                        "InfiniBand/RoCE devices on every node"
+                        if every
+                        else "not every node lists InfiniBand/RoCE devices in /sys/class/infiniband: "
+                        "TCP sockets"
+                    )
+                    + ")"
+                )
+            if task == WATCH_TASK or host not in monitor.hosts:
+                return
+            if name == "runner_on_ok" and task == PROBE_TASK:
+                probes[host] = res
+                self.become[host] = bool(res.get("become"))
+            elif name == "runner_on_ok" and task == START_TASK:
+                started.add(host)
+                if "state" in res:
+                    monitor.apply(monitor.hosts[host], res)
+                    view.states(monitor.ordered)
+            elif name in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
+                text = str(res.get("msg") or res.get("stderr") or "failed").strip()
+                start_failures.append((host, str(task), text, name))
+
+        def on_message(message: dict[str, Any]) -> None:
+            monitor.on_message(message)
+            if monitor.must_stop:
+                cancel.set()
+
+        def on_tick() -> None:
+            monitor.tick()
+            if monitor.must_stop:
+                cancel.set()
+
         what = f"engine {plan.engine}" if plan.runs_bundled_trainer else "your command"
         view.message(
             f"Launching run [bold]{plan.run_name}[/bold] on {topo.nnodes} node(s) × {topo.gpus_per_node} "
@@ -140,90 +324,144 @@ class Launcher:
             f"{topo.master_addr}:{topo.master_port}); output in {plan.output_dir}, each node's log "
             f"in {plan.launch_dir}/node-N/log"
         )
-        monitor = JobMonitor({n.host: n.node_rank for n in topo.nodes}, topo.head.host, view)
-        view.states(monitor.ordered)
-        try:
-            start = self._run("start.yml")
-        except KeyboardInterrupt:
-            view.message("interrupted while starting: stopping the trainer on every host")
-            self.stop()
-            return INTERRUPTED
-        if not start.succeeded:
-            return self._start_failed(start, view)
-        for host in monitor.hosts:
-            decided = start.task_result(host, BECOME_TASK)
-            self.become[host] = bool(decided and decided.result.get("ansible_facts", {}).get("launch_become"))
-        if topo.nccl_ib_disable == IB_AUTO:
-            decided = start.task_result(topo.head.host, BECOME_TASK)
-            value = (decided.result.get("ansible_facts", {}) if decided else {}).get("launch_ib_disable")
-            view.message(
-                f"NCCL_IB_DISABLE auto: {value} ("
-                + (
-                    "InfiniBand/RoCE devices on every node"
-                    if str(value) == "0"
-                    else "not every node lists InfiniBand/RoCE devices in /sys/class/infiniband: TCP sockets"
-                )
-                + ")"
-            )
-
-        cancel = threading.Event()
+        extravars = self.extravars(
+            launch_files=self.files,
+            launch_info=self.info(),
+            launch_record={**record, "launch_id": self.launch_id, "attempt": self.attempt_number},
+        )
         interrupted = False
-
-        def on_event(event: dict[str, Any]) -> None:
-            monitor.on_watch_event(event)
-            if monitor.failed:
-                cancel.set()
-
         with view:
             try:
-                watch = self._run("watch.yml", on_event=on_event, cancel=cancel)
+                result = self._run(
+                    "start.yml",
+                    extravars,
+                    on_event=on_event,
+                    on_message=on_message,
+                    on_tick=on_tick,
+                    cancel=cancel,
+                )
             except KeyboardInterrupt:
                 interrupted = True
-                watch = None
-            if interrupted or not monitor.all_done:
-                if interrupted:
-                    view.message("interrupted: stopping the trainer on every host (wait for it)")
-                elif monitor.failed:
-                    first = monitor.first_failure()
-                    view.message(f"{first.host} failed: stopping the trainer on every other host")
-                self.stop(monitor)
+                result = None
+            if interrupted:
+                view.message("interrupted: stopping the trainer on every host (wait for it)")
+                stopped = self.stop(monitor, record=self._stop_record("interrupted", "Ctrl-C, TERM or HUP"))
                 view.states(monitor.ordered)
-        return self._outcome(monitor, watch, interrupted, view)
-
-    def _start_failed(self, start: PlaybookResult, view: LiveView) -> int:
-        failure = start.first_failure
-        if failure is not None:
-            view.message(
-                f"[red]trainer launch: could not start on {failure.host}[/red] "
-                f"({failure.task}): {failure.message}"
+                self._report_stop_problems(stopped, view)
+                view.message(f"interrupted: the trainer is stopped on all hosts (run {plan.run_name})")
+                return Outcome(INTERRUPTED, "interrupted")
+            if start_failures:
+                return self._start_failed(start_failures, started, view)
+            if monitor.all_done:
+                view.message(
+                    f"[green]done[/green]: run {plan.run_name} finished on all {len(monitor.hosts)} node(s); "
+                    f"output in {plan.output_dir}"
+                )
+                return Outcome(exitcodes.OK, "done")
+            stall = monitor.stall
+            if not monitor.must_stop and result is not None and result.output.strip():
+                view.message("[red]trainer launch: the launch playbook ended early[/red]")
+                view.log(result.output.strip()[-2000:])
+            if monitor.failed:
+                first = monitor.first_failure()
+                view.message(f"{first.host} failed: stopping the trainer on every other host")
+            elif stall is not None:
+                view.message(f"stalled ({stall.summary}): collecting stacks, then stopping every host")
+            outcome = self._failure_outcome(monitor, result)
+            stopped = self.stop(
+                monitor,
+                stacks=stall is not None and plan.runs_bundled_trainer,
+                record=self._stop_record(outcome.kind, outcome.reason, outcome.hosts),
             )
-        else:
-            view.message(f"[red]trainer launch: the start playbook failed[/red] (rc {start.rc})")
-            view.log(start.output.strip())
-        if any(r.task == START_TASK and r.status == "ok" for r in start.results):
-            view.message("stopping the nodes that had started")
-            self.stop()
-        return exitcodes.FAILURE
-
-    def _outcome(
-        self, monitor: JobMonitor, watch: PlaybookResult | None, interrupted: bool, view: LiveView
-    ) -> int:
-        plan = self.plan
-        stopped_in = (
-            f" {time.time() - monitor.failed_at:.1f} s after the failure" if monitor.failed_at else ""
+            view.states(monitor.ordered)
+        outcome.latest_checkpoint = next(
+            (
+                str(item.result.get("latest_checkpoint") or "")
+                for item in stopped.ok.get(topo.head.host, [])
+                if item.task == STOP_TASK
+            ),
+            "",
         )
-        if interrupted:
-            view.message(f"interrupted: the trainer is stopped on all hosts (run {plan.run_name})")
-            return INTERRUPTED
-        if monitor.all_done:
-            view.message(
-                f"[green]done[/green]: run {plan.run_name} finished on all {len(monitor.hosts)} node(s); "
-                f"output in {plan.output_dir}"
-            )
-            return exitcodes.OK
+        self._report(monitor, outcome, stopped, view)
+        return outcome
+
+    def _stop_record(self, why: str, detail: str, hosts: list[str] | None = None) -> dict[str, Any]:
+        return {
+            "event": "stopped",
+            "launch_id": self.launch_id,
+            "attempt": self.attempt_number,
+            "why": why,
+            "detail": detail,
+            "hosts": hosts or [],
+        }
+
+    def _start_failed(
+        self,
+        failures: list[tuple[str, str, str, str]],
+        started: set[str],
+        view: LiveView,
+    ) -> Outcome:
+        host, task, text, _ = failures[0]
+        view.message(f"[red]trainer launch: could not start on {host}[/red] ({task}): {text}")
+        if started:
+            view.message("stopping the nodes that had started")
+            self.stop(record=self._stop_record("start_failed", text, [host]))
+        unreachable = [h for h, _, _, n in failures if n == "runner_on_unreachable"]
+        return Outcome(
+            exitcodes.FAILURE,
+            "start_failed",
+            unreachable or [host],
+            f"could not start on {host}: {text.splitlines()[0][:200] if text else task}",
+            restartable=bool(unreachable),
+        )
+
+    def _failure_outcome(self, monitor: JobMonitor, result: PlaybookResult | None) -> Outcome:
+        plan = self.plan
         fault = monitor.gpu_fault()
         if fault is not None:
             hs, info = fault
+            return Outcome(
+                exitcodes.GPU_FAULT,
+                "gpu_fault",
+                [hs.host],
+                f"GPU {info['gpu']} of rank {info['rank']} on {hs.host} tripped the health check "
+                f"({info['metric']}={info['value']})",
+                restartable=True,
+            )
+        first = monitor.first_failure()
+        if first is not None:
+            restartable = not (
+                plan.runs_bundled_trainer and first.state == "failed" and first.exit_code in NOT_RESTARTABLE
+            )
+            return Outcome(
+                exitcodes.FAILURE,
+                "unreachable" if first.state == "unreachable" else "failed",
+                [first.host],
+                f"{first.host} {describe(first)}",
+                restartable=restartable,
+            )
+        if monitor.stall is not None:
+            stall = monitor.stall
+            hosts = sorted({host for host, _, _ in stall.behind}) if plan.runs_bundled_trainer else []
+            return Outcome(exitcodes.FAILURE, "stall", hosts, stall.summary, restartable=True)
+        return Outcome(exitcodes.FAILURE, "watch_failed", [], "watching the trainer failed")
+
+    def _report_stop_problems(self, stopped: PlaybookResult, view: LiveView) -> None:
+        for problem in self.stop_problems(stopped):
+            view.message(
+                f"[red]could not confirm the stop on {problem}[/red]: its trainer may still be running; "
+                f"stop it with `trainer launch -i INVENTORY --run-name {self.plan.run_name} --stop` once it "
+                "answers"
+            )
+
+    def _report(self, monitor: JobMonitor, outcome: Outcome, stopped: PlaybookResult, view: LiveView) -> None:
+        topo = self.plan.topology
+        stopped_in = (
+            f" {time.time() - monitor.failed_at:.1f} s after the failure" if monitor.failed_at else ""
+        )
+        self._report_stop_problems(stopped, view)
+        if outcome.kind == "gpu_fault":
+            hs, info = monitor.gpu_fault()
             view.message(
                 f"[red]GPU_FAULT[/red] on {hs.host} (node {hs.node_rank}, hostname {info['host']}): GPU "
                 f"{info['gpu']} (uuid {info['uuid']}) of rank {info['rank']} tripped the health check, "
@@ -231,10 +469,9 @@ class Launcher:
                 f"the trainer was stopped on every host{stopped_in}."
             )
             self._last_lines(hs.host, monitor, view)
-            return exitcodes.GPU_FAULT
-        first = monitor.first_failure()
-        if first is not None:
-            ranks = self.plan.topology.node(first.host).global_ranks(self.plan.topology.gpus_per_node)
+        elif outcome.kind in ("failed", "unreachable"):
+            first = monitor.hosts[outcome.hosts[0]]
+            ranks = topo.node(first.host).global_ranks(topo.gpus_per_node)
             rank = first.failed_rank if first.failed_rank is not None else ranks.start
             rank_text = (
                 f"rank {rank}"
@@ -249,17 +486,230 @@ class Launcher:
             if others:
                 view.message("other hosts: " + ", ".join(others))
             self._last_lines(first.host, monitor, view)
-            return exitcodes.FAILURE
-        view.message("[red]trainer launch: watching the trainer failed[/red]")
-        if watch is not None:
-            view.log(watch.output.strip()[-2000:])
-        return exitcodes.FAILURE
+        elif outcome.kind == "stall":
+            self._report_stall(monitor, stopped, view)
+        else:
+            view.message("[red]trainer launch: watching the trainer failed[/red]")
 
-    def _last_lines(self, host: str, monitor: JobMonitor, view: LiveView) -> None:
-        lines = list(monitor.hosts[host].lines)[-20:]
+    def _report_stall(self, monitor: JobMonitor, stopped: PlaybookResult, view: LiveView) -> None:
+        stall = monitor.stall
+        assert stall is not None
+        timeout = self.options.stall_timeout_s
+        if not self.plan.runs_bundled_trainer:
+            view.message(
+                f"[red]stalled[/red]: {stall.summary} (--stall-timeout {timeout:g}); every node was stopped. "
+                "Each node's last lines:"
+            )
+            for host, _, _ in stall.behind:
+                self._last_lines(host, monitor, view, count=10)
+            return
+        stacks: dict[str, dict[str, str]] = {}
+        for host, items in stopped.ok.items():
+            for item in items:
+                if item.task == STOP_TASK:
+                    stacks[host] = item.result.get("stacks") or {}
+        behind = stall.behind
+        if behind:
+            names = ", ".join(
+                f"rank {rank} on {host} (node {monitor.hosts[host].node_rank}) "
+                + (f"in step {step}" if step is not None else "with no step reported")
+                for host, rank, step in behind
+            )
+            view.message(
+                f"[red]stalled[/red]: {stall.summary} (--stall-timeout {timeout:g}); behind: {names}; "
+                "every node was stopped."
+            )
+        else:
+            view.message(
+                f"[red]stalled[/red]: {stall.summary} (--stall-timeout {timeout:g}); none was behind the "
+                "others (a collective that never completes); every node was stopped."
+            )
+        shown = behind or [(host, None, None) for host in monitor.hosts]
+        for host in dict.fromkeys(host for host, _, _ in shown):
+            self._last_lines(host, monitor, view, count=10)
+        for host, rank, _ in shown:
+            for stack_rank, text in sorted(stacks.get(host, {}).items()):
+                if rank is None or str(rank) == stack_rank:
+                    view.message(f"stack of rank {stack_rank} on {host}:")
+                    for line in text.splitlines()[:60]:
+                        view.log(f"  {line}")
+        if not any(stacks.values()):
+            view.message("(no stacks: the ranks had ended, or could not be asked)")
+
+    def _last_lines(self, host: str, monitor: JobMonitor, view: LiveView, count: int = 20) -> None:
+        lines = list(monitor.hosts[host].lines)[-count:]
         view.message(f"last log lines of {host}:" if lines else f"{host} logged nothing")
         for line in lines:
             view.log(f"  {line}")
+
+    # --- the whole launch, with restarts -------------------------------------------------------
+
+    def launch(
+        self,
+        view: LiveView,
+        max_restarts: int = 0,
+        exclude_failed: bool = False,
+        replan: Callable[[set[str], list[str]], JobPlan] | None = None,
+    ) -> int:
+        failures: Counter[str] = Counter()
+        excluded: set[str] = set()
+        restarts = 0
+        record: dict[str, Any] = {
+            "event": "launch",
+            "nodes": {n.host: n.node_rank for n in self.plan.topology.nodes},
+        }
+        while True:
+            outcome = self.attempt(view, record)
+            if outcome.code in (exitcodes.OK, INTERRUPTED):
+                return outcome.code
+            for host in outcome.hosts:
+                failures[host] += 1
+            if not max_restarts:
+                return outcome.code
+            if not outcome.restartable:
+                view.message(f"not restarted: {outcome.reason} (a restart would fail the same way)")
+                return outcome.code
+            if restarts >= max_restarts:
+                view.message(f"not restarted: all {max_restarts} restart(s) used (--max-restarts)")
+                return outcome.code
+            restarts += 1
+            changes = ""
+            if exclude_failed and replan is not None:
+                for host in [h for h in outcome.hosts if failures[h] >= 2 and h not in excluded]:
+                    changes = self._exclude(host, excluded, replan, view) or changes
+            self.new_launch()
+            resume = (
+                f"from the latest checkpoint ({outcome.latest_checkpoint})"
+                if self.plan.runs_bundled_trainer and outcome.latest_checkpoint
+                else "from the start (no checkpoint yet)"
+                if self.plan.runs_bundled_trainer
+                else "(your command resumes if it reads its own checkpoints)"
+            )
+            view.message(
+                f"[yellow]restart {restarts} of {max_restarts}[/yellow]: {outcome.reason}; relaunching "
+                f"{resume}" + (f"; {changes}" if changes else "")
+            )
+            record = {
+                "event": "restart",
+                "restart": restarts,
+                "max_restarts": max_restarts,
+                "reason": outcome.reason,
+                "failed_hosts": outcome.hosts,
+                "resume_from": outcome.latest_checkpoint,
+                "changes": changes,
+                "nodes": {n.host: n.node_rank for n in self.plan.topology.nodes},
+            }
+
+    def _exclude(
+        self, host: str, excluded: set[str], replan: Callable[[set[str], list[str]], JobPlan], view: LiveView
+    ) -> str:
+        """Leave `host` out of the next attempt if the job still works without it; what changed."""
+        plan, topo = self.plan, self.plan.topology
+        if host == topo.head.host:
+            view.message(f"{host} failed twice but is the head (rank 0, master, NFS): it stays in")
+            return ""
+        if plan.runs_bundled_trainer and plan.engine == "deepspeed":
+            view.message(
+                f"{host} failed twice but stays in: DeepSpeed ZeRO checkpoints are written for "
+                f"{topo.world_size} processes and a smaller world cannot resume them"
+            )
+            return ""
+        overrides: list[str] = []
+        new_world = topo.world_size - topo.gpus_per_node
+        if plan.runs_bundled_trainer:
+            effective, micro = plan.effective_batch_size, plan.micro_batch_size
+            if effective % (micro * new_world):
+                view.message(
+                    f"{host} failed twice but stays in: the effective batch {effective} = micro batch "
+                    f"{micro} "
+                    f"× world {topo.world_size} × accumulation {plan.gradient_accumulation_steps} does not "
+                    f"divide over a world of {new_world}"
+                )
+                return ""
+            overrides.append(f"train.gradient_accumulation_steps={effective // (micro * new_world)}")
+        try:
+            new_plan = replan(excluded | {host}, overrides)
+        except (InventoryError, TopologyError, PlanError) as err:
+            view.message(f"{host} failed twice but stays in: without it the plan fails: {err}")
+            return ""
+        excluded.add(host)
+        old_ranks = {n.host: n.node_rank for n in topo.nodes}
+        moved = [
+            f"{n.host} is now node {n.node_rank}"
+            for n in new_plan.topology.nodes
+            if old_ranks[n.host] != n.node_rank
+        ]
+        change = (
+            f"{host} left out after failing twice: {topo.nnodes} → {new_plan.topology.nnodes} nodes, "
+            "world size "
+            f"{topo.world_size} → {new_plan.topology.world_size}"
+        )
+        if plan.runs_bundled_trainer:
+            change += (
+                f", gradient accumulation {plan.gradient_accumulation_steps} → "
+                f"{new_plan.gradient_accumulation_steps} (effective batch {new_plan.effective_batch_size} "
+                "unchanged)"
+            )
+        if moved:
+            change += "; " + ", ".join(moved)
+        self.plan = new_plan
+        self.env["ANSIBLE_FORKS"] = str(max(5, new_plan.topology.nnodes))
+        self.become = {h: b for h, b in self.become.items() if h != host}
+        return change
+
+
+def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a launch is followed: shared by `trainer launch` and `trainer attach`."""
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=None,
+        help="seconds between status polls of each node; a poll answers early when there are new "
+        "lines (default: 2)",
+    )
+    parser.add_argument(
+        "--unreachable-grace",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a node that does not answer is shown as unreachable and failed only after S seconds; its "
+        "trainer keeps running meanwhile (default: 60)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop every node when no rank advances a step (bundled trainer) or no node prints a line "
+        f"(your command) for S seconds, naming the ranks behind (default: {BUNDLED_STALL_TIMEOUT_S:g} for "
+        "the bundled trainer, off for your command; 0: off)",
+    )
+    parser.add_argument(
+        "--stop-grace",
+        type=float,
+        default=None,
+        help="seconds a stopped trainer gets between TERM and KILL (default: 10)",
+    )
+
+
+def watch_options(
+    args: argparse.Namespace, bundled: bool, saved: dict[str, Any] | None = None
+) -> WatchOptions:
+    """The command line's watch settings; what it leaves out from `saved` (launch.json), else defaults."""
+    saved = saved or {}
+
+    def pick(arg: float | None, key: str, default: float | None) -> float | None:
+        if arg is not None:
+            return arg
+        return saved.get(key, default) if key in saved else default
+
+    stall = pick(args.stall_timeout, "stall_timeout_s", BUNDLED_STALL_TIMEOUT_S if bundled else None)
+    return WatchOptions(
+        poll_interval_s=float(pick(args.poll_interval, "poll_interval_s", 2.0)),
+        unreachable_grace_s=float(pick(args.unreachable_grace, "unreachable_grace_s", 60.0)),
+        stall_timeout_s=float(stall) if stall else None,
+        stop_grace_s=float(pick(args.stop_grace, "stop_grace_s", 10.0)),
+    )
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -270,15 +720,42 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stop the run's trainer on every host (e.g. after the launcher died)",
     )
+    add_watch_arguments(parser)
     parser.add_argument(
-        "--poll-interval", type=float, default=2.0, help="seconds between status polls (default: %(default)s)"
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="after a node fails (exit code, lost node, GPU fault, stall), stop every node and start "
+        "again, up to K times; the bundled trainer resumes from the latest checkpoint (default: 0)",
     )
     parser.add_argument(
-        "--stop-grace",
-        type=float,
-        default=10.0,
-        help="seconds a stopped trainer gets between TERM and KILL (default: %(default)s)",
+        "--exclude-failed",
+        action="store_true",
+        help="with --max-restarts: leave out a node that failed twice, when the other nodes still divide "
+        "the effective batch (gradient accumulation is raised to keep it)",
     )
+
+
+def replanner(args: argparse.Namespace, plan: JobPlan) -> Callable[[set[str], list[str]], JobPlan]:
+    """make_plan again, from the same command line, without some hosts and with more --set."""
+
+    def replan(excluded: set[str], extra: list[str]) -> JobPlan:
+        cluster = load_cluster(plan.topology.inventory)
+        cluster = dataclasses.replace(
+            cluster, workers=tuple(h for h in cluster.workers if h.name not in excluded)
+        )
+        return make_plan(
+            cluster,
+            args.config,
+            (*args.overrides, *extra),
+            args.engine,
+            args.run_name,
+            command=tuple(getattr(args, "command", None) or ()),
+            env_options=tuple(args.env),
+        )
+
+    return replan
 
 
 def run(args: argparse.Namespace) -> int:
@@ -287,22 +764,40 @@ def run(args: argparse.Namespace) -> int:
     except (InventoryError, TopologyError, PlanError) as err:
         print(f"trainer launch: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    launcher = Launcher(plan, poll_interval_s=args.poll_interval, stop_grace_s=args.stop_grace)
+    if args.max_restarts < 0:
+        print("trainer launch: --max-restarts must be 0 or more", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    if args.exclude_failed and not args.max_restarts:
+        print("trainer launch: --exclude-failed needs --max-restarts K (K >= 1)", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    launcher = Launcher(plan, watch_options(args, plan.runs_bundled_trainer))
     view = LiveView()
     if args.stop:
         result = launcher.stop()
-        for host in (n.host for n in plan.topology.nodes):
+        for host in launcher.hosts:
             item = result.task_result(host, STOP_TASK)
             if item is None or item.status != "ok":
-                state = "unreachable" if host in result.unreachable else "nothing to stop"
+                state = (
+                    "unreachable"
+                    if host in result.unreachable
+                    else f"could not stop: {item.message if item else 'no answer'}"
+                )
             else:
-                state = "stopped" if json.loads(item.result["stdout"]).get("stopped") else "not running"
+                state = "stopped" if item.result.get("stopped") else "not running"
             view.log(f"[{host}] {state}")
         return exitcodes.OK if result.succeeded else exitcodes.FAILURE
-    # A TERM (a CI job's timeout, a supervisor) stops the hosts' trainers the way Ctrl-C does.
-    signal.signal(signal.SIGTERM, _interrupt)
-    return launcher.launch(view)
+    install_signal_handlers(view)
+    return launcher.launch(view, args.max_restarts, args.exclude_failed, replanner(args, plan))
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def install_signal_handlers(view: LiveView) -> None:
+    """TERM (a CI job's timeout, a supervisor) and HUP (the terminal closed) stop the hosts' trainers
+    the way Ctrl-C does. After HUP there is no terminal to write to: output is dropped."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            view.detach()
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)

@@ -1,17 +1,21 @@
 """What `trainer launch` shows while a job runs: rank 0's log lines and one state line per host.
 
-`JobMonitor` turns the watch playbook's events (one per poll and host: state, exit record, new log
-lines) into per-host states, keeps each host's last log lines for the failure report, and decides
-when the job has failed. `LiveView` draws it: on a terminal a live table under the scrolling log;
-elsewhere (CI, pipes) one line per state change.
+`JobMonitor` turns the nodes' reports (one per poll and host, from the launch_node action plugin
+through the runner's channel: state, exit record, new log lines, each rank's progress) and missed
+polls into per-host states, keeps each host's last log lines for the failure report, and decides
+when the job has failed: a node's trainer failed, a node did not answer for longer than the
+unreachable grace, or no rank made progress for the stall timeout. `LiveView` draws it: on a
+terminal a live table under the scrolling log; elsewhere (CI, pipes) one line per state change.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import os
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,10 +56,21 @@ class HostState:
     all_text_flags: set[str] = field(default_factory=set)
     gpu_fault: dict[str, str] | None = None
     failed_rank: int | None = None
+    #: When this host stopped answering polls (time.time()), and the last error; None while it answers.
+    missing_since: float | None = None
+    miss_error: str = ""
+    #: rank -> its last progress record (bundled trainer): {"started": step, "done": step, ...}.
+    progress: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: When this host's log last grew (time.monotonic() on the controller).
+    last_output_at: float | None = None
 
     @property
     def failed(self) -> bool:
         return self.state in ("failed", "unreachable")
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
 
     def add_lines(self, lines: list[str]) -> None:
         for line in lines:
@@ -72,7 +87,10 @@ class HostState:
 
 
 class LiveView:
-    """Prints rank 0's lines; shows host states live on a terminal, as lines elsewhere."""
+    """Prints rank 0's lines; shows host states live on a terminal, as lines elsewhere.
+
+    A closed terminal (SIGHUP) must not stop the launcher from stopping the nodes: once writing
+    fails, or after `detach()`, output goes nowhere."""
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console(highlight=False)
@@ -81,16 +99,30 @@ class LiveView:
         self._table_source: list[HostState] = []
 
     def __enter__(self) -> LiveView:
-        if self.console.is_terminal:
+        if self.console.is_terminal and self._live is None:
             self._live = Live(self._table(), console=self.console, refresh_per_second=4, transient=False)
-            self._live.__enter__()
+            self._guard(self._live.__enter__)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._live is not None:
-            self._live.update(self._table())
-            self._live.__exit__(None, None, None)
-            self._live = None
+            live, self._live = self._live, None
+            self._guard(live.update, self._table())
+            self._guard(live.__exit__, None, None, None)
+
+    def detach(self) -> None:
+        """The terminal is gone: stop drawing and drop all further output."""
+        if self._live is not None:
+            live, self._live = self._live, None
+            with contextlib.suppress(Exception):  # the terminal is gone; nothing to report it on
+                live.stop()
+        self.console = Console(file=open(os.devnull, "w"), highlight=False)  # noqa: SIM115
+
+    def _guard(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        try:
+            func(*args, **kwargs)
+        except OSError:
+            self.detach()
 
     def _table(self) -> Table:
         table = Table(show_header=True, header_style="bold", box=None)
@@ -98,32 +130,35 @@ class LiveView:
         table.add_column("host")
         table.add_column("state")
         for hs in self._table_source:
-            style = {"failed": "red", "unreachable": "red", "done": "green", "stopped": "yellow"}.get(
-                hs.state
-            )
+            style = STATE_STYLES.get(hs.state) or ("red" if hs.missing_since else None)
             text = f"[{style}]{describe(hs)}[/{style}]" if style else describe(hs)
             table.add_row(str(hs.node_rank), hs.host, text)
         return table
 
     def log(self, line: str) -> None:
-        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        self._guard(self.console.print, line, markup=False, highlight=False, soft_wrap=True)
 
     def message(self, text: str) -> None:
-        self.console.print(text, highlight=False, soft_wrap=True)
+        self._guard(self.console.print, text, highlight=False, soft_wrap=True)
 
-    def states(self, hosts: list[HostState], step: str = "") -> None:
+    def states(self, hosts: list[HostState]) -> None:
         self._table_source = hosts
         if self._live is not None:
-            self._live.update(self._table())
+            self._guard(self._live.update, self._table())
             return
         for hs in hosts:
-            # Off a terminal a line per state change, not per step.
-            if self._shown.get(hs.host) != hs.state:
-                self._shown[hs.host] = hs.state
-                self.console.print(f"[{hs.host}] node {hs.node_rank}: {describe(hs)}", markup=False)
+            # Off a terminal a line per state change, not per step (nor per second unreachable).
+            shown = "unreachable" if hs.missing_since and not hs.final else hs.state
+            if self._shown.get(hs.host) != shown:
+                self._shown[hs.host] = shown
+                self._guard(
+                    self.console.print, f"[{hs.host}] node {hs.node_rank}: {describe(hs)}", markup=False
+                )
 
 
-def describe(hs: HostState, step: str = "") -> str:
+def describe(hs: HostState) -> str:
+    if hs.missing_since is not None and not hs.final:
+        return f"unreachable ({time.time() - hs.missing_since:.0f}s)"
     if hs.state == "running" and hs.detail:
         return f"running {hs.detail}"
     if hs.state == "failed":
@@ -133,59 +168,106 @@ def describe(hs: HostState, step: str = "") -> str:
     return hs.state
 
 
-class JobMonitor:
-    """Per-host states from the watch playbook's events; sets `failed_at` on the first failure."""
+@dataclass(frozen=True)
+class Stall:
+    """No progress for the stall timeout: who was behind, and where every rank was."""
 
-    def __init__(self, hosts: dict[str, int], head_host: str, view: LiveView) -> None:
+    silent_s: float
+    behind: list[tuple[str, int | None, int | None]]
+    """(host, rank or None for a whole node, the step it was in or None)."""
+    leading_step: int | None
+    summary: str
+
+
+class JobMonitor:
+    """Per-host states from the nodes' reports; sets `failed_at` on the first failure.
+
+    `unreachable_grace_s`: a host that misses polls for longer is failed (its trainer may live on);
+    `stall_timeout_s` (None: off): no rank advancing a step (`progress_from_steps`, the bundled
+    trainer) or no node printing a line (a user's command) for that long is a stall."""
+
+    def __init__(
+        self,
+        hosts: dict[str, int],
+        head_host: str,
+        view: LiveView,
+        *,
+        unreachable_grace_s: float = 60.0,
+        stall_timeout_s: float | None = None,
+        progress_from_steps: bool = True,
+        ranks: dict[str, range] | None = None,
+    ) -> None:
         self.hosts = {name: HostState(name, rank) for name, rank in sorted(hosts.items(), key=lambda i: i[1])}
         self.rank0_host = head_host
         self.view = view
+        self.unreachable_grace_s = unreachable_grace_s
+        self.stall_timeout_s = stall_timeout_s
+        self.progress_from_steps = progress_from_steps
+        self.ranks = ranks or {}
         self.step = ""
         self.first_step_at: float | None = None
         self.failed_at: float | None = None
+        self.stall: Stall | None = None
+        self.last_progress_at = time.monotonic()
+        self._progress_key: tuple = ()
 
     @property
     def ordered(self) -> list[HostState]:
         return list(self.hosts.values())
 
-    def on_watch_event(self, event: dict[str, Any]) -> None:
-        name = event.get("event", "")
-        data = event.get("event_data", {})
-        host = data.get("host")
-        if host not in self.hosts:
+    def on_message(self, message: dict[str, Any]) -> None:
+        """One message of the watch (launch_node.py): a node's report, or a missed poll."""
+        hs = self.hosts.get(str(message.get("host")))
+        if hs is None:
             return
-        hs = self.hosts[host]
-        res = data.get("res") or {}
-        if name in ("runner_retry", "runner_on_ok", "runner_on_failed") and res.get("stdout"):
-            try:
-                report = json.loads(res["stdout"])
-            except ValueError:
-                report = None
-            if report is not None:
-                self.apply(hs, report)
-            elif name == "runner_on_failed":
-                self.mark_failed(hs, res.get("msg") or "the status helper failed")
-        elif name == "runner_on_failed":
-            self.mark_failed(
-                hs, str(res.get("msg") or res.get("stderr") or "the status check failed").strip()
-            )
-        elif name == "runner_on_unreachable":
-            hs.state = "unreachable"
-            hs.detail = str(res.get("msg") or "unreachable").strip().splitlines()[0][:200]
-            self._note_failure()
+        if message.get("type") == "report":
+            if hs.missing_since is not None:
+                self.view.message(
+                    f"{hs.host} answers again after {time.time() - hs.missing_since:.0f} s without an answer"
+                )
+            hs.missing_since, hs.miss_error = None, ""
+            self.apply(hs, message.get("report") or {})
+        elif message.get("type") == "miss" and not hs.final:
+            hs.missing_since = float(message.get("since") or time.time())
+            hs.miss_error = str(message.get("error") or "")
+        self.check_time()
         self.view.states(self.ordered)
+
+    def on_unreachable(self, host: str, message: str) -> None:
+        """Ansible could not reach `host` at all (a start step)."""
+        hs = self.hosts.get(host)
+        if hs is not None and not hs.final:
+            hs.state, hs.detail = "unreachable", message.strip().splitlines()[0][:200] if message else ""
+            self._note_failure()
+            self.view.states(self.ordered)
 
     def apply(self, hs: HostState, report: dict[str, Any]) -> None:
         """Take one node_ctl.py report (status or stop) into the host's state."""
-        hs.add_lines(report.get("lines") or [])
+        lines = report.get("lines") or []
+        hs.add_lines(lines)
+        if lines:
+            hs.last_output_at = time.monotonic()
+            if not self.progress_from_steps:
+                self.last_progress_at = hs.last_output_at
+        for record in report.get("progress") or []:
+            hs.progress[int(record.get("rank", 0))] = record
+        if self.progress_from_steps:
+            key = tuple(
+                (h.host, rank, r.get("started"), r.get("done"))
+                for h in self.hosts.values()
+                for rank, r in sorted(h.progress.items())
+            )
+            if key != self._progress_key:
+                self._progress_key = key
+                self.last_progress_at = time.monotonic()
         if hs.host == self.rank0_host:
-            for line in report.get("lines") or []:
+            for line in lines:
                 self.view.log(line)
                 if match := STEP_LINE.match(line):
                     self.step = f"step {match.group(1)}/{match.group(2)}"
                     if self.first_step_at is None:
                         self.first_step_at = time.time()
-        if hs.state in FINAL_STATES and hs.state != "stopped":
+        if hs.final and hs.state != "stopped":
             return
         state = report.get("state")
         exit_record = report.get("exit") or None
@@ -207,9 +289,71 @@ class JobMonitor:
             else:
                 hs.exit_time = hs.exit_time or float(report.get("time") or time.time())
                 self.mark_failed(hs, "its processes are gone without an exit code (killed)")
+        elif state == "none":
+            self.mark_failed(hs, "nothing of this launch is on this node")
         for running in self.hosts.values():
             if running.state == "running":
                 running.detail = self.step
+
+    def check_time(self) -> None:
+        """The clock's part: a host past the unreachable grace fails; a job without progress stalls."""
+        now = time.time()
+        for hs in self.hosts.values():
+            if (
+                hs.missing_since is not None
+                and not hs.final
+                and now - hs.missing_since > self.unreachable_grace_s
+            ):
+                hs.state = "unreachable"
+                hs.detail = f"no answer for {now - hs.missing_since:.0f} s: {hs.miss_error}".rstrip(": ")
+                hs.exit_time = hs.missing_since
+                self._note_failure()
+        silent = time.monotonic() - self.last_progress_at
+        if (
+            self.stall_timeout_s
+            and self.stall is None
+            and not self.failed
+            and silent > self.stall_timeout_s
+            and not all(hs.final for hs in self.hosts.values())
+        ):
+            self.stall = self._stall(silent)
+            self._note_failure()
+
+    def tick(self) -> None:
+        self.check_time()
+        self.view.states(self.ordered)
+
+    def _stall(self, silent_s: float) -> Stall:
+        if not self.progress_from_steps:
+            # A user's command: every node was silent; the one silent longest first.
+            order = sorted(self.hosts.values(), key=lambda hs: hs.last_output_at or 0.0)
+            behind = [(hs.host, None, None) for hs in order]
+            return Stall(
+                silent_s,
+                behind,
+                None,
+                f"no node printed a line for {silent_s:.0f} s",
+            )
+        started: dict[tuple[str, int], int | None] = {}
+        for hs in self.hosts.values():
+            expected = self.ranks.get(hs.host) or range(0)
+            for rank in sorted(set(expected) | set(hs.progress)):
+                record = hs.progress.get(rank)
+                started[(hs.host, rank)] = int(record["started"]) if record and "started" in record else None
+        known = [step for step in started.values() if step is not None]
+        leading = max(known) if known else None
+        behind = [
+            (host, rank, step)
+            for (host, rank), step in started.items()
+            if leading is not None and (step is None or step < leading)
+        ]
+        if leading is None:
+            summary = f"no rank reported a step for {silent_s:.0f} s"
+        elif not behind:
+            summary = f"no rank advanced for {silent_s:.0f} s; every rank is in step {leading}"
+        else:
+            summary = f"no rank advanced for {silent_s:.0f} s; the others are in step {leading}"
+        return Stall(silent_s, behind, leading, summary)
 
     def mark_failed(self, hs: HostState, detail: str) -> None:
         hs.state = "failed"
@@ -224,6 +368,10 @@ class JobMonitor:
     @property
     def failed(self) -> bool:
         return any(hs.failed for hs in self.hosts.values())
+
+    @property
+    def must_stop(self) -> bool:
+        return self.failed or self.stall is not None
 
     @property
     def all_done(self) -> bool:

@@ -1,26 +1,38 @@
-"""Report on (or stop) the trainer `trainer launch` started on this node; copied into the node's dir.
+"""The launcher's helper on each node: probe, start, report on and stop the trainer of one launch.
 
-    python node_ctl.py NODE_DIR status   one JSON line: state, exit record, new log lines
-    python node_ctl.py NODE_DIR peek     the state alone (the log cursor stays where it is)
-    python node_ctl.py NODE_DIR stop     stop the process group (TERM, then KILL), then as status
-    python node_ctl.py NODE_DIR check JSON   can the command start: {"workdir", "program", "venv_bin"}
-    python node_ctl.py NODE_DIR prepare  keep the previous launch's log and exit record (log.N,
-                                         exit.N), clear its state; write the run's files and the
-                                         node's secret variables (JSON on stdin: {"launch_id",
-                                         "launch_dir", "files", "secret_env"})
-    python node_ctl.py NODE_DIR start FILE...  start run.sh in its own session once FILEs are visible
-    python node_ctl.py NODE_DIR pids     the live processes of this launch on this node (pid, command)
+`trainer launch` runs it through its action plugin (playbooks/action_plugins/launch_node.py) as one
+process per step and node: the venv's python with a short bootstrap, and one JSON request on stdin
+that carries this program's own text, so a node always runs the controller's version and nothing is
+copied first (one round trip per step, and no secret on a command line):
+
+    {"op": "probe" | "check" | "start" | "status" | "stop" | "pids", ...}  ->  one JSON line
+
+- probe: user, venv, the interface holding the cluster address, the master port, a previous run of
+  the same name still running, InfiniBand/RoCE devices; and the command check (below) when this
+  account is the training user already;
+- check: the working directory can be entered and the program found, as the training user;
+- start: keep the previous launch's log and exit record (log.N, exit.N), write the run's files (the
+  head gets them), the node's secret variables, run.sh and this helper, then start run.sh detached
+  (its own session and process group);
+- status: state, exit record, the log's lines after the caller's offset (a long poll: it answers as
+  soon as there is something new, or after `wait` seconds), each rank's progress;
+- stop: the stacks of the trainer's ranks when asked (a stall), then TERM to run.sh's process group
+  and KILL to whatever is left after the grace period.
+
+By hand (the copy `start` leaves in the node dir): `python node_ctl.py NODE_DIR status|stop|pids`.
 
 torchrun puts every worker in a session of its own, so a signal to run.sh's process group does not
 reach them: every process of the launch carries CLUSTERTRAIN_LAUNCH_ID (from `launch-id`) in its
 environment, and that is how they are all found, even after their parent is gone.
 
 The node dir holds `pid` (the process group leader run.sh writes), `log` (the command's output),
-`exit` (JSON written by run.sh when the command ends), `cursor` (how far `status` has read `log`,
-so each poll returns only new lines) and `secret-env` (the secret variables, mode 0600). A relaunch
-renames the last launch's `log` and `exit` to `log.N` and `exit.N` (N = 1, 2, ... in launch order):
-the evidence of a failure survives every later launch. Standard library only: it runs with the
-node's venv python.
+`exit` (JSON written by run.sh when the command ends), `launch.json` (what the launcher started and
+with which watch settings, for `trainer status` and `trainer attach`), `progress/rank-N.json` (the
+bundled trainer's ranks: the step each is in, written by trainer.node.progress) and `secret-env`
+(the secret variables, mode 0600). A relaunch renames the last launch's `log` and `exit` to `log.N`
+and `exit.N` (N = 1, 2, ... in launch order): the evidence of a failure survives every later launch.
+On the head, `launch/history.jsonl` gets one record per launch, restart and stop.
+Standard library only: it runs with the node's venv python.
 """
 
 from __future__ import annotations
@@ -28,19 +40,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
-import re
-import shlex
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+# pwd, re, shlex, shutil, socket and subprocess are imported where they are used: a status poll runs
+# this every few seconds per node, and needs none of them.
+
 #: Log bytes returned per poll at most; the rest comes with the next polls.
-MAX_CHUNK = 256 * 1024
+MAX_CHUNK = 128 * 1024
 TAG_VARIABLE = "CLUSTERTRAIN_LAUNCH_ID"
+#: How long a status poll lingers after the first new bytes, so a burst of lines comes in one answer.
+LINGER_S = 0.2
+#: How often a waiting status poll looks at the log and the exit record.
+WAIT_STEP_S = 0.1
 
 
 def _launch_id(node_dir: Path) -> str | None:
@@ -48,6 +62,13 @@ def _launch_id(node_dir: Path) -> str | None:
         return (node_dir / "launch-id").read_text().strip() or None
     except OSError:
         return None
+
+
+def _environ(pid: int | str) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
 
 
 def tagged_pids(node_dir: Path) -> list[int]:
@@ -97,46 +118,162 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _new_lines(node_dir: Path) -> list[str]:
-    cursor_file = node_dir / "cursor"
+def _log_size(node_dir: Path) -> int:
     try:
-        offset = int(cursor_file.read_text())
-    except (OSError, ValueError):
-        offset = 0
+        return (node_dir / "log").stat().st_size
+    except OSError:
+        return 0
+
+
+def read_log(node_dir: Path, offset: int | None, tail: int = 0) -> tuple[list[str], int]:
+    """(lines, next offset): whole lines after `offset`; with offset None, the last `tail` lines.
+
+    A log shorter than the offset is a new launch's log (the last one was kept as log.N): read it
+    from the start."""
+    path = node_dir / "log"
     try:
-        with open(node_dir / "log", "rb") as log:
+        size = path.stat().st_size
+        with open(path, "rb") as log:
+            if offset is None:
+                start = max(0, size - 64 * 1024)
+                log.seek(start)
+                chunk = log.read(size - start)
+                end = chunk.rfind(b"\n") + 1
+                lines = chunk[:end].decode("utf-8", "replace").splitlines()
+                if start > 0 and lines:
+                    lines = lines[1:]  # the first one is cut
+                return (lines[-tail:] if tail else []), start + end
+            if offset > size:
+                offset = 0
             log.seek(offset)
             chunk = log.read(MAX_CHUNK)
     except OSError:
-        return []
+        return [], offset or 0
     # Only whole lines; a partial last line waits for the next poll (unless the chunk is full).
     end = chunk.rfind(b"\n") + 1 if len(chunk) < MAX_CHUNK else len(chunk)
-    tmp = node_dir / "cursor.tmp"
-    tmp.write_text(str(offset + end))
-    tmp.replace(cursor_file)
-    return chunk[:end].decode("utf-8", "replace").splitlines()
+    return chunk[:end].decode("utf-8", "replace").splitlines(), offset + end
 
 
-def status(node_dir: Path, read_lines: bool = True) -> dict:
+def progress(node_dir: Path) -> list[dict]:
+    """Each rank's progress record (trainer.node.progress), by rank."""
+    found = []
+    for path in sorted((node_dir / "progress").glob("rank-*.json")):
+        record = _read_json(path)
+        if isinstance(record, dict) and "rank" in record:
+            found.append(record)
+    return sorted(found, key=lambda r: int(r.get("rank", 0)))
+
+
+def _state(node_dir: Path) -> tuple[str, int | None, dict | None]:
     pid = _pid(node_dir)
     exit_record = _read_json(node_dir / "exit")
     if exit_record is not None:
         state = "exited"
     elif pid is None:
-        state = "starting"
+        state = "starting" if (node_dir / "launch-id").exists() else "none"
     elif _alive(pid) or tagged_pids(node_dir):
         state = "running"
     else:
         # Gone without run.sh writing its exit record: the whole process group was killed.
         state = "vanished"
+    return state, pid, exit_record
+
+
+def status(node_dir: Path, offset: int | None = None, tail: int = 0, wait: float = 0.0) -> dict:
+    """The node's report. With an offset and `wait`, a long poll: it returns as soon as the log grew
+    or the trainer ended, at the latest after `wait` seconds."""
+    deadline = time.monotonic() + wait
+    if offset is not None and wait > 0:
+        pid = _pid(node_dir)
+        while time.monotonic() < deadline:
+            if _log_size(node_dir) != offset or (node_dir / "exit").exists():
+                time.sleep(LINGER_S)
+                break
+            if pid is not None and not _alive(pid):
+                break
+            time.sleep(WAIT_STEP_S)
+    state, pid, exit_record = _state(node_dir)
+    lines, next_offset = read_log(node_dir, offset, tail)
     return {
         "state": state,
         "pid": pid,
         "exit": exit_record,
         "stop_requested": (node_dir / "stop-requested").exists(),
-        "lines": _new_lines(node_dir) if read_lines else [],
+        "lines": lines,
+        "offset": next_offset,
+        "launch_id": _launch_id(node_dir),
+        "info": _read_json(node_dir / "launch.json"),
+        "progress": progress(node_dir),
+        "log_age_s": _log_age(node_dir),
         "time": time.time(),
     }
+
+
+def _log_age(node_dir: Path) -> float | None:
+    try:
+        return max(0.0, time.time() - (node_dir / "log").stat().st_mtime)
+    except OSError:
+        return None
+
+
+def _py_spy(venv_bin: str) -> str | None:
+    import shutil
+
+    for candidate in (Path(venv_bin) / "py-spy", shutil.which("py-spy")):
+        if candidate and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def stacks(node_dir: Path, venv_bin: str) -> dict[str, str]:
+    """rank -> the Python stack of each live rank of the bundled trainer.
+
+    py-spy (if installed in the venv or on PATH, and allowed to attach without root) gives native and
+    Python frames; otherwise the rank's own faulthandler writes its threads' stacks when it gets
+    SIGUSR1 (trainer.node.progress registers that; no ptrace, no root)."""
+    import subprocess
+
+    found: dict[str, str] = {}
+    launch_id = _launch_id(node_dir)
+    spy = _py_spy(venv_bin)
+    for record in progress(node_dir):
+        pid, rank = int(record.get("pid") or 0), str(record.get("rank"))
+        if not pid or f"{TAG_VARIABLE}={launch_id}".encode() not in _environ(pid):
+            continue  # not this launch's process (gone, or the pid was reused)
+        if spy:
+            try:
+                done = subprocess.run(
+                    [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20
+                )
+                if done.returncode == 0 and done.stdout.strip():
+                    found[rank] = f"(py-spy)\n{done.stdout.strip()}"
+                    continue
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        stack_file = record.get("stack_file")
+        if record.get("stack_signal") != "SIGUSR1" or not stack_file:
+            continue
+        path = Path(stack_file)
+        before = path.stat().st_size if path.exists() else 0
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            continue
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            if path.exists() and path.stat().st_size > before:
+                time.sleep(0.3)  # the dump is written in one go; give it a moment to finish
+                break
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(before)
+                text = handle.read(64 * 1024).decode("utf-8", "replace").strip()
+        except OSError:
+            text = ""
+        if text:
+            found[rank] = f"(faulthandler)\n{text}"
+    return found
 
 
 def stop(node_dir: Path, grace_s: float) -> dict:
@@ -163,7 +300,7 @@ def stop(node_dir: Path, grace_s: float) -> dict:
         deadline = time.monotonic() + 3.0
         while _alive(pid) and not (node_dir / "exit").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-    result = status(node_dir)
+    result = status(node_dir, offset=None, tail=0)
     result["stopped"] = stopped
     return result
 
@@ -187,6 +324,8 @@ def _signal_group(pid: int, sig: int) -> None:
 
 def keep_previous_launch(node_dir: Path) -> int | None:
     """Rename the last launch's log and exit record to log.N / exit.N; N (None if there was none)."""
+    import re
+
     if not (node_dir / "log").exists() and not (node_dir / "exit").exists():
         return None
     taken = [
@@ -199,58 +338,88 @@ def keep_previous_launch(node_dir: Path) -> int | None:
     return number
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write `path` readable by this user only, atomically (never a moment with looser modes)."""
+def write_file(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write `path` atomically, created with `mode` (never a moment with looser modes)."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as handle:
         handle.write(text)
+    os.chmod(tmp, mode)  # the umask may have narrowed it
     tmp.replace(path)
 
 
-def prepare(node_dir: Path, payload: dict) -> dict:
-    """Keep the previous launch's log, clear its state, write the run's files (the head gets them)
-    and the node's secret variables."""
-    kept = keep_previous_launch(node_dir)
-    for name in ("pid", "cursor", "cursor.tmp", "stop-requested"):
-        (node_dir / name).unlink(missing_ok=True)
-    (node_dir / "launch-id").write_text(payload["launch_id"] + "\n")
-    secrets = payload.get("secret_env") or {}
-    if secrets:
-        # Sourced by run.sh; names were checked on the controller, values are quoted here.
-        write_private(
-            node_dir / "secret-env",
-            "".join(f"export {name}={shlex.quote(str(value))}\n" for name, value in sorted(secrets.items())),
-        )
-    else:
-        (node_dir / "secret-env").unlink(missing_ok=True)
-    launch_dir = Path(payload["launch_dir"])
-    written = []
-    for name, text in sorted((payload.get("files") or {}).items()):
-        target = launch_dir / name
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.unlink(missing_ok=True)
-        # config.yaml may hold a secret (the webhook URL): only the training user reads it.
-        mode = 0o600 if name == "config.yaml" else 0o644
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as handle:
-            handle.write(text)
-        tmp.replace(target)
-        written.append(name)
-    return {"state": "prepared", "written": written, "kept_previous_as": kept}
+def append_record(launch_dir: Path, record: dict) -> None:
+    """One line in the run's launch/history.jsonl (launches, restarts, stops), appended."""
+    with open(launch_dir / "history.jsonl", "a") as handle:
+        handle.write(json.dumps({"time": time.time(), **record}) + "\n")
 
 
-def check(request: dict) -> dict:
-    """Refuse a command that cannot start here, before any node starts: the working directory must
-    be enterable and the program found, as the training user, with the PATH run.sh gives it."""
+# --- before the start ---------------------------------------------------------------------------
+
+
+def interface_of(address: str) -> str:
+    """The interface holding `address` ('' if none), from `ip -o addr show`."""
+    import subprocess
+
+    try:
+        listing = subprocess.run(
+            ["ip", "-o", "addr", "show"], capture_output=True, text=True, check=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    for line in listing.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[2] in ("inet", "inet6") and fields[3].split("/")[0] == address:
+            return fields[1].split("@")[0]
+    return ""
+
+
+def port_error(address: str, port: int) -> str:
+    """'' if `port` can be bound on `address` (the rendezvous can listen there), else why not."""
+    import socket
+
+    with socket.socket() as sock:
+        # As torch's TCPStore does: connections of a finished run in TIME_WAIT do not block it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError as err:
+            return err.strerror or str(err)
+    return ""
+
+
+def previous_state(node_dir: Path) -> str:
+    """'running' if a trainer of this run's previous launch still runs on this node."""
+    if _launch_id(node_dir) is None or _pid(node_dir) is None:
+        return "none"
+    if (node_dir / "exit").exists():
+        return "exited"
+    return "running" if tagged_pids(node_dir) else "vanished"
+
+
+def infiniband_devices() -> list[str]:
+    """The InfiniBand/RoCE devices the kernel lists (mlx5_0, ...): NCCL_IB_DISABLE=auto reads them."""
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
+def check(request: dict) -> str:
+    """'' if the command can start here, else the problem and its fix: the working directory must be
+    enterable and the program found, as the training user, with the PATH run.sh gives it."""
+    import pwd
+    import shutil
+
     user = pwd.getpwuid(os.geteuid()).pw_name
     workdir = Path(request["workdir"])
     if not workdir.is_dir():
-        raise SystemExit(
+        return (
             f"training_workdir {workdir} does not exist on this node: create it (on the shared dir it "
             "exists everywhere), or set training_workdir to a directory that does"
         )
     if not os.access(workdir, os.R_OK | os.X_OK):
-        raise SystemExit(
+        return (
             f"training_workdir {workdir} cannot be entered by the training user {user}: make it "
             f"readable and searchable by {user} (chown/chmod), or set another training_workdir"
         )
@@ -259,33 +428,98 @@ def check(request: dict) -> dict:
     if "/" in program:
         found = workdir / program
         if not found.is_file():
-            raise SystemExit(f"the command's program {program} does not exist (looked in {workdir})")
+            return f"the command's program {program} does not exist (looked in {workdir})"
         if not os.access(found, os.X_OK):
-            raise SystemExit(
+            return (
                 f"the command's program {found} is not executable by {user}: chmod +x it, or start it "
                 f"through its interpreter (e.g. -- bash {program})"
             )
+    elif shutil.which(program, path=search_path) is None:
+        return (
+            f"the command's program {program!r} is not found for {user} on PATH {search_path}: "
+            "install it in the training venv, or give its full path"
+        )
+    return ""
+
+
+def probe(request: dict) -> dict:
+    import pwd
+
+    venv = Path(request["venv"])
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    # The bundled trainer needs torchrun and trainer; a user's own command only the venv's python
+    # (this helper runs with it) and whatever the command itself starts.
+    missing = [name for name in request["need"] if not os.access(venv / "bin" / name, os.X_OK)]
+    training_user = request.get("training_user") or user
+    command_check = request.get("check")
+    result = {
+        "user": user,
+        "become": training_user != user,
+        "venv_missing": missing,
+        "iface": interface_of(request["address"]) if request.get("iface_auto") else "",
+        "port_error": port_error(request["address"], int(request["port"])) if request.get("port") else "",
+        "previous": previous_state(Path(request["node_dir"])),
+        "ib_devices": infiniband_devices(),
+        # As the training user only: another account's view of the working dir says nothing.
+        "checked": bool(command_check) and training_user == user,
+        "check_error": check(command_check) if command_check and training_user == user else "",
+    }
+    return result
+
+
+# --- the start ----------------------------------------------------------------------------------
+
+
+def start(request: dict, program: str) -> dict:
+    """Keep the previous launch's log, clear its state, write the run's files (the head gets them),
+    the node's secret variables, run.sh, launch.json and this helper; then start run.sh detached
+    (setsid: its own session and process group) and wait for its pid file."""
+    import shlex
+    import shutil
+    import subprocess
+
+    node_dir = Path(request["node_dir"])
+    launch_dir = Path(request["launch_dir"])
+    node_dir.mkdir(parents=True, exist_ok=True)
+    kept = keep_previous_launch(node_dir)
+    for name in ("pid", "stop-requested", "cursor", "cursor.tmp"):
+        (node_dir / name).unlink(missing_ok=True)
+    # The ranks' progress and stack files belong to the last launch (a stall's stacks are in the
+    # history record already).
+    shutil.rmtree(node_dir / "progress", ignore_errors=True)
+    (node_dir / "progress").mkdir()
+    (node_dir / "launch-id").write_text(request["launch_id"] + "\n")
+    secrets = request.get("secret_env") or {}
+    if secrets:
+        # Sourced by run.sh; names were checked on the controller, values are quoted here.
+        write_file(
+            node_dir / "secret-env",
+            "".join(f"export {name}={shlex.quote(str(value))}\n" for name, value in sorted(secrets.items())),
+            0o600,
+        )
     else:
-        found = shutil.which(program, path=search_path)
-        if found is None:
-            raise SystemExit(
-                f"the command's program {program!r} is not found for {user} on PATH {search_path}: "
-                "install it in the training venv, or give its full path"
-            )
-    return {"workdir": str(workdir), "program": str(found), "user": user}
+        (node_dir / "secret-env").unlink(missing_ok=True)
+    written = []
+    for name, text in sorted((request.get("files") or {}).items()):
+        # config.yaml may hold a secret (the webhook URL): only the training user reads it.
+        write_file(launch_dir / name, text, 0o600 if name == "config.yaml" else 0o644)
+        written.append(name)
+    write_file(node_dir / "node_ctl.py", program)
+    write_file(node_dir / "run.sh", request["run_sh"], 0o755)
+    write_file(node_dir / "launch.json", json.dumps(request.get("info") or {}, indent=1) + "\n")
+    if request.get("record"):
+        append_record(launch_dir, request["record"])
 
-
-def start(node_dir: Path, wait_for: list[Path], timeout_s: float = 60.0) -> dict:
-    """Start run.sh detached (setsid: its own session and process group) and wait for its pid file."""
+    timeout_s = float(request.get("wait_timeout_s") or 60.0)
     deadline = time.monotonic() + timeout_s
     # On an NFS mount the head's files can take a moment to appear.
-    for path in wait_for:
+    for path in map(Path, request.get("wait_for") or []):
         while not path.exists():
             if time.monotonic() > deadline:
-                raise SystemExit(
+                raise Failure(
                     f"{path} is not visible on this node after {timeout_s:.0f} s: is the shared dir mounted?"
                 )
-            time.sleep(0.5)
+            time.sleep(0.2)
     # Not Ansible's own variables: with a local connection they include the controller's run marker
     # (trainer.controller.runner ends every process carrying it when the playbook ends; the trainer
     # must live on).
@@ -306,25 +540,67 @@ def start(node_dir: Path, wait_for: list[Path], timeout_s: float = 60.0) -> dict
         )
     while _pid(node_dir) is None:
         if time.monotonic() > deadline:
-            raise SystemExit(f"run.sh in {node_dir} did not start within {timeout_s:.0f} s")
-        time.sleep(0.1)
-    return status(node_dir, read_lines=False)
+            raise Failure(f"run.sh in {node_dir} did not start within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    result = status(node_dir)
+    result.update(written=written, kept_previous_as=kept)
+    return result
+
+
+class Failure(Exception):
+    """The request cannot be done; the message says why (and the fix)."""
+
+
+def serve(request: dict) -> int:
+    """Answer one request from the launcher (JSON on stdin, see the module's docstring)."""
+    program = request.pop("program", "")
+    op = request.get("op")
+    try:
+        if op == "probe":
+            result = probe(request)
+        elif op == "check":
+            result = {"check_error": check(request["check"])}
+        elif op == "start":
+            result = start(request, program)
+        elif op == "status":
+            result = status(
+                Path(request["node_dir"]),
+                request.get("offset"),
+                int(request.get("tail") or 0),
+                float(request.get("wait") or 0.0),
+            )
+        elif op == "stop":
+            node_dir = Path(request["node_dir"])
+            found = stacks(node_dir, request.get("venv_bin", "")) if request.get("stacks") else {}
+            result = stop(node_dir, float(request.get("grace_s", 10.0)))
+            result["stacks"] = found
+            if request.get("output_dir"):
+                with contextlib.suppress(OSError):
+                    latest = Path(request["output_dir"]) / "checkpoints" / "latest"
+                    result["latest_checkpoint"] = latest.read_text().strip()
+            if request.get("record") and Path(request["launch_dir"]).is_dir():
+                record = dict(request["record"], stacks=found) if found else request["record"]
+                append_record(Path(request["launch_dir"]), record)
+        elif op == "pids":
+            node_dir = Path(request["node_dir"])
+            result = {"processes": [{"pid": pid, "command": _command(pid)} for pid in tagged_pids(node_dir)]}
+        else:
+            raise Failure(f"unknown request {op!r}")
+    except (Failure, OSError) as err:
+        print(json.dumps({"failed": True, "msg": str(err)}))
+        return 1
+    print(json.dumps(result))
+    return 0
 
 
 def main() -> int:
     node_dir, action = Path(sys.argv[1]), sys.argv[2]
     if action == "stop":
         result = stop(node_dir, float(sys.argv[3]) if len(sys.argv) > 3 else 10.0)
-    elif action == "prepare":
-        result = prepare(node_dir, json.load(sys.stdin))
-    elif action == "start":
-        result = start(node_dir, [Path(arg) for arg in sys.argv[3:]])
-    elif action == "check":
-        result = check(json.loads(sys.argv[3]))
     elif action == "pids":
         result = {"processes": [{"pid": pid, "command": _command(pid)} for pid in tagged_pids(node_dir)]}
     else:
-        result = status(node_dir, read_lines=action != "peek")
+        result = status(node_dir, offset=None, tail=20)
     print(json.dumps(result))
     return 0
 

@@ -1,0 +1,262 @@
+"""Action plugin of `trainer launch`: one round trip to a node per step, each with a timeout.
+
+    - name: Probe the node
+      launch_node:
+        op: probe            # probe | check | start | status | watch | stop | pids | whoami
+        python: /srv/venv/bin/python
+        request: {...}       # the JSON request for templates/node_ctl.py (see its docstring)
+
+Every op but `whoami` runs the node's python with a short bootstrap and the request on stdin, the
+helper's own text included: no module is built (AnsiballZ costs a second or more per task on a busy
+machine), no file is copied first, and no secret is on a command line. Each call is bounded twice:
+`timeout` on the node, and a wall-clock wait here, so a node whose shared dir hangs (a `hard` NFS
+mount) or whose SSH stalls cannot hang the launcher.
+
+`watch` follows the node until its trainer ends: a long poll (the node answers when there are new
+lines, or after `poll_s`), each answer sent at once to the launcher through `channel` (a Unix
+socket of trainer.controller.runner, one JSON line per message) instead of an Ansible event: a watch
+of days writes no event files and grows no event list. A poll that fails or gets no answer is sent
+as a miss (`since`: when the node stopped answering); the launcher decides when a node has been
+unreachable for too long (--unreachable-grace) and cancels the run. The task itself ends once the
+node's trainer has ended, with the last report as its result.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ansible.errors import AnsibleConnectionFailure, AnsibleError
+from ansible.plugins.action import ActionBase
+
+NODE_PROGRAM = (Path(__file__).resolve().parent.parent / "templates" / "node_ctl.py").read_text()
+#: Reads the request (with the helper's text) from stdin and hands it to node_ctl.serve. The helper
+#: needs only the standard library: `-S` skips site-packages (their .pth files cost more than the
+#: rest of a status poll).
+BOOTSTRAP = (
+    "import json, sys; request = json.loads(sys.stdin.read()); scope = {'__name__': 'node_ctl'}; "
+    "exec(compile(request['program'], 'node_ctl.py', 'exec'), scope); sys.exit(scope['serve'](request))"
+)
+#: Interface names as the kernel allows them: safe to write into run.sh unquoted.
+IFACE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
+FINAL_STATES = ("exited", "vanished", "none")
+
+
+class NoAnswer(Exception):
+    """The node did not answer within the time given (or its answer was not a report)."""
+
+
+class ActionModule(ActionBase):
+    TRANSFERS_FILES = False
+    _VALID_ARGS = frozenset(
+        ("op", "python", "request", "timeout_s", "poll_s", "channel", "give_up_s", "iface", "ib_disable")
+    )
+
+    def run(self, tmp: Any = None, task_vars: dict | None = None) -> dict:
+        result = super().run(tmp, task_vars)
+        args = self._task.args
+        op = args["op"]
+        self._pending: threading.Thread | None = None
+        self._box: dict[str, Any] = {}
+        self._hostname = str((task_vars or {}).get("inventory_hostname") or "the node")
+        timeout_s = float(args.get("timeout_s") or 60)
+        request = dict(args.get("request") or {})
+        try:
+            if op == "whoami":
+                res = self._exec(f"timeout -k 5 {int(timeout_s)} id -un", None, timeout_s, sudoable=False)
+                if res["rc"] != 0:
+                    raise NoAnswer(f"id -un failed (rc {res['rc']}): {res['stderr'].strip()[:300]}")
+                result["user"] = res["stdout"].strip()
+                return result
+            if op == "watch":
+                return {**result, **self._watch(args, request)}
+            if op == "start":
+                request["run_sh"] = self._resolved_run_sh(request["run_sh"], args)
+            answer = self._call(args["python"], {**request, "op": op}, timeout_s)
+        except NodeError as err:
+            if op == "probe":
+                err.text = (
+                    f"the trainer's venv {request['venv']} on {self._hostname} cannot run its python "
+                    f"({err.text[-200:] or f'exit code {err.rc}'}): install the trainer there "
+                    "(make provision) or fix training_venv"
+                )
+            result.update(failed=True, msg=err.text or str(err), rc=err.rc)
+            return result
+        except NoAnswer as err:
+            result.update(failed=True, msg=f"{self._hostname}: {err}")
+            return result
+        result.update(answer)
+        if op == "probe":
+            problem = self._probe_problem(request, answer)
+            if problem:
+                result.update(failed=True, msg=problem)
+        elif op == "check" and answer.get("check_error"):
+            result.update(failed=True, msg=answer["check_error"])
+        result["changed"] = op == "start" or bool(answer.get("stopped"))
+        return result
+
+    # --- one call ----------------------------------------------------------------------------------
+
+    def _exec(self, cmd: str, in_data: bytes | None, timeout_s: float, sudoable: bool = True) -> dict:
+        """_low_level_execute_command, waited for at most timeout_s + 10 s. A call still running after
+        that stays the one pending call (the next call waits for it rather than piling up another)."""
+        if self._pending is None or not self._pending.is_alive():
+            box: dict[str, Any] = {}
+
+            def work() -> None:
+                try:
+                    box["res"] = self._low_level_execute_command(cmd, sudoable=sudoable, in_data=in_data)
+                except BaseException as err:  # handed to the waiting thread below
+                    box["err"] = err
+
+            self._box = box
+            self._pending = threading.Thread(target=work, daemon=True)
+            self._pending.start()
+        self._pending.join(timeout_s + 10)
+        if self._pending.is_alive():
+            raise NoAnswer(f"no answer within {timeout_s + 10:.0f} s")
+        box, self._pending = self._box, None
+        if "err" in box:
+            raise box["err"]
+        return box["res"]
+
+    def _call(self, python: str, request: dict, timeout_s: float) -> dict:
+        """Run node_ctl.serve(request) on the node; its JSON answer (a `failed` answer raises)."""
+        payload = json.dumps({**request, "program": NODE_PROGRAM}).encode()
+        cmd = f"timeout -k 5 {int(timeout_s)} {shlex.quote(python)} -S -c {shlex.quote(BOOTSTRAP)}"
+        res = self._exec(cmd, payload, timeout_s)
+        lines = [line for line in res["stdout"].splitlines() if line.startswith("{")]
+        if res["rc"] == 124:
+            raise NoAnswer(f"the node's helper did not finish within {timeout_s:.0f} s (timeout on the node)")
+        if not lines:
+            stderr = (res.get("stderr") or res.get("stdout") or "").strip()
+            raise NodeError(res["rc"], stderr[-500:])
+        answer = json.loads(lines[-1])
+        if answer.get("failed"):
+            raise NoAnswer(answer.get("msg") or "the node's helper failed")
+        return answer
+
+    def _resolved_run_sh(self, text: str, args: dict) -> str:
+        """run.sh with what the probes found: this node's interface, the job's NCCL_IB_DISABLE."""
+        iface = str(args.get("iface") or "")
+        if "@CLUSTERTRAIN_IFACE@" in text and not IFACE_NAME.fullmatch(iface):
+            raise NoAnswer(f"the probe found no usable interface name ({iface!r})")
+        return text.replace("@CLUSTERTRAIN_IFACE@", iface).replace(
+            "@CLUSTERTRAIN_IB_DISABLE@", str(int(args.get("ib_disable") or 0))
+        )
+
+    def _probe_problem(self, request: dict, answer: dict) -> str:
+        host, venv = self._hostname, request["venv"]
+        problems = []
+        if answer.get("venv_missing"):
+            problems.append(
+                f"the trainer's venv {venv} on {host} lacks {', '.join(answer['venv_missing'])}: install the "
+                "trainer there (make provision) or fix training_venv"
+            )
+        if request.get("iface_auto") and not answer.get("iface"):
+            problems.append(
+                f"cluster_nccl_socket_ifname is auto but no interface of {host} holds {request['address']}: "
+                "fix cluster_ip or set cluster_nccl_socket_ifname to an interface name"
+            )
+        if answer.get("port_error"):
+            problems.append(
+                f"MASTER_PORT {request['port']} on {host} is in use by another process (another job, or a "
+                f"trainer left running): stop it, or set cluster_master_port to a free port "
+                f"({answer['port_error']})"
+            )
+        if answer.get("previous") == "running":
+            problems.append(
+                f"run {request.get('run_name')} is still running on {host}; stop it with `trainer launch -i "
+                f"INVENTORY --run-name {request.get('run_name')} --stop` or pick another --run-name"
+            )
+        if answer.get("check_error"):
+            problems.append(answer["check_error"])
+        return "; ".join(problems)
+
+    # --- the watch ---------------------------------------------------------------------------------
+
+    def _watch(self, args: dict, request: dict) -> dict:
+        poll_s = max(0.05, float(args.get("poll_s") or 2.0))
+        timeout_s = float(args.get("timeout_s") or 20.0)
+        give_up_s = float(args.get("give_up_s") or 0)
+        host = self._hostname
+        offset = request.get("offset")
+        first_miss: float | None = None
+        last_poll = 0.0
+        channel = _Channel()
+        try:
+            channel.open(args.get("channel") or "")
+            while True:
+                # A long poll comes back early when there is news (the first line of a quiet log is
+                # shown at once); a chatty log still gets one poll per interval.
+                time.sleep(max(0.0, last_poll + poll_s - time.monotonic()))
+                last_poll = time.monotonic()
+                wait = poll_s if offset is not None else 0.0
+                try:
+                    report = self._call(
+                        args["python"],
+                        {**request, "op": "status", "offset": offset, "wait": wait},
+                        wait + timeout_s,
+                    )
+                except (NoAnswer, NodeError, AnsibleConnectionFailure, AnsibleError) as err:
+                    first_miss = first_miss or time.time()
+                    text = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+                    channel.send({"type": "miss", "host": host, "since": first_miss, "error": text})
+                    if give_up_s and time.time() - first_miss > give_up_s:
+                        return {"failed": True, "msg": f"{host}: no answer for {give_up_s:.0f} s ({text})"}
+                    time.sleep(min(poll_s, 2.0))
+                    continue
+                first_miss = None
+                offset = report.get("offset", offset)
+                channel.send({"type": "report", "host": host, "report": report})
+                if report.get("state") in FINAL_STATES:
+                    return {"report": {k: v for k, v in report.items() if k != "lines"}}
+        except _LauncherGone:
+            return {"failed": True, "msg": "the launcher stopped listening; the trainer was left running"}
+        finally:
+            channel.close()
+
+
+class NodeError(AnsibleError):
+    """The node's helper did not run (its python missing, a crash): rc and what it printed."""
+
+    def __init__(self, rc: int, text: str) -> None:
+        super().__init__(f"the helper exited with {rc}: {text}" if text else f"the helper exited with {rc}")
+        self.rc, self.text = rc, text
+
+
+class _LauncherGone(Exception):
+    pass
+
+
+class _Channel:
+    """JSON lines to the launcher's Unix socket (nothing when no path is given)."""
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+
+    def open(self, path: str) -> None:
+        if path:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self.sock.connect(path)
+            except OSError as err:
+                raise _LauncherGone() from err
+
+    def send(self, message: dict) -> None:
+        if self.sock is None:
+            return
+        try:
+            self.sock.sendall((json.dumps(message) + "\n").encode())
+        except OSError as err:
+            raise _LauncherGone() from err
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()

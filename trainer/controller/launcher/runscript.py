@@ -1,0 +1,84 @@
+"""`node-N/run.sh`: what one node runs for a launch, written by the launcher's start step.
+
+The node's helper (playbooks/templates/node_ctl.py) starts it with setsid (its own process group,
+so a stop reaches every process), and `trainer launch` watches `log` and `exit` next to it. It is
+also the file to run by hand: as the training user on its node, all nodes at about the same time.
+
+Two values are known only once every node has been probed: the interface holding this node's
+cluster address (NCCL_SOCKET_IFNAME auto) and the job's NCCL_IB_DISABLE (auto: 0 only when every
+node lists InfiniBand/RoCE devices). They stand here as @CLUSTERTRAIN_IFACE@ and
+@CLUSTERTRAIN_IB_DISABLE@ and are filled in by the action plugin right before the start.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import PurePosixPath
+
+from trainer.controller.launcher.plan import JobPlan
+from trainer.controller.launcher.topology import AUTO_IFNAME, Node
+from trainer.controller.training_env import IB_AUTO
+
+IFACE = "@CLUSTERTRAIN_IFACE@"
+IB_DISABLE = "@CLUSTERTRAIN_IB_DISABLE@"
+#: Where the bundled trainer's ranks write their progress (trainer.node.progress reads this name).
+PROGRESS_VARIABLE = "CLUSTERTRAIN_PROGRESS_DIR"
+
+
+def node_dir(plan: JobPlan, node: Node) -> str:
+    return str(PurePosixPath(plan.launch_dir) / f"node-{node.node_rank}")
+
+
+def run_script(plan: JobPlan, node: Node, host: str) -> str:
+    env = plan.node_env(node)
+    lines = [
+        "#!/bin/bash",
+        f'# Node {node.node_rank} ({host}) of run "{plan.run_name}", written by `trainer launch`.',
+        "# `trainer launch` starts this with setsid (its own process group, so a stop reaches every",
+        "# process), watches `log` and `exit`, and stops the group with node_ctl.py. To run this node by",
+        "# hand instead, run this file as the training user on this node (all nodes at about the same time).",
+        "set -u",
+        f"cd {shlex.quote(node_dir(plan, node))}",
+        "echo $$ > pid.tmp && mv pid.tmp pid",
+        "",
+    ]
+    lines += [f"export {name}={shlex.quote(str(value))}" for name, value in env.items()]
+    if node.nccl_socket_ifname == AUTO_IFNAME:
+        lines += [
+            f'# NCCL_SOCKET_IFNAME was "auto": the interface holding {node.address} on this host.',
+            f"export NCCL_SOCKET_IFNAME=={IFACE}",
+            f"export GLOO_SOCKET_IFNAME={IFACE}",
+        ]
+    if plan.topology.nccl_ib_disable == IB_AUTO:
+        lines += [
+            '# NCCL_IB_DISABLE was "auto": 0 when every node lists InfiniBand/RoCE devices in',
+            "# /sys/class/infiniband, else 1.",
+            f"export NCCL_IB_DISABLE={IB_DISABLE}",
+        ]
+    command_line = shlex.join(plan.node_command(node))
+    workdir = shlex.quote(plan.workdir(node))
+    lines += [
+        "# The secret variables of training_env and --env, in a file only the training user can read.",
+        "if [ -f secret-env ]; then . ./secret-env; fi",
+        f'export PATH={shlex.quote(str(PurePosixPath(plan.training_venv) / "bin"))}:"$PATH"',
+        "export PYTHONUNBUFFERED=1",
+        "# Marks every process of this launch (torchrun gives each worker a session of its own).",
+        'export CLUSTERTRAIN_LAUNCH_ID="$(cat launch-id)"',
+        "# The bundled trainer's ranks report the step they are in here (the launcher's stall watchdog).",
+        f'export {PROGRESS_VARIABLE}="$PWD/progress"',
+        "",
+        "printf '[clustertrain] %s launch %s on %s in %s: %s\\n' \\",
+        '  "$(date -Is)" "$CLUSTERTRAIN_LAUNCH_ID" \\',
+        f'  "$(hostname)" {workdir} {shlex.quote(command_line)} >> log',
+        f"( cd {workdir} && exec {command_line} ) >> log 2>&1 < /dev/null &",
+        "child=$!",
+        "# A stop (TERM to the group) reaches the command directly; this shell only records how it ended.",
+        "trap 'true' TERM INT HUP",
+        "while :; do",
+        '  wait "$child"',
+        "  rc=$?",
+        '  kill -0 "$child" 2>/dev/null || break',
+        "done",
+        'printf \'{"exit_code": %d, "time": %s}\\n\' "$rc" "$(date +%s.%N)" > exit.tmp && mv exit.tmp exit',
+    ]
+    return "\n".join(lines) + "\n"
