@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -179,6 +180,23 @@ def _no_answer(host):
     return f"no answer from {host}"
 
 
+#: Commands and variables a fix can name; every failing check's fix names the host and one of them.
+CONCRETE = re.compile(
+    r"ansible-playbook|systemctl|chronyc|mount|ufw|ip link|ethtool|rm -rf|chown|cluster_\w+|training_\w+|"
+    r"nfs_\w+|trainer_env|apt-get|nvidia-smi|trainer (plan|launch)|ss -ltnp|iperf3|stat -f|exportfs|nfs-ls|"
+    r"checkpoint\.|--\w"
+)
+
+
+def assert_fix(result, host: str, *needles: str) -> None:
+    """A failure the user can act on: its fix names the host and a concrete command or variable."""
+    assert result.fix, f"{result.check} {result.subject}: no fix"
+    assert host in result.fix, f"{result.check}: the fix does not name {host}: {result.fix}"
+    assert CONCRETE.search(result.fix), f"{result.check}: no command or variable in: {result.fix}"
+    for needle in needles:
+        assert needle in result.fix, f"{result.check}: {needle!r} not in: {result.fix}"
+
+
 def test_versions_name_the_worker_and_the_package_that_differ():
     from trainer.controller.preflight import nodes
 
@@ -210,29 +228,60 @@ def test_accelerators_must_match_the_inventory_and_each_other():
              "w2": {"accelerators": {**gpu, "count": 7, "models": gpu["models"][:7]}}}  # fmt: skip
     failed = [r for r in nodes.accelerators(cluster, facts, _no_answer) if r.status == FAIL]
     assert {r.subject for r in failed} == {"w2"}
-    assert any("node reports 7 x NVIDIA H100" in r.detail for r in failed)
+    assert any("nvidia-smi lists 7 x NVIDIA H100" in r.detail for r in failed)
+    for result in failed:
+        assert_fix(result, "w2")
+    assert any("cluster_accelerators: 7" in r.fix for r in failed)
     assert any("differs from the other nodes (8 x NVIDIA H100" in r.detail for r in failed)
+
+
+def _written(uid=2000, **io):
+    return {"uid": uid, "shared": {"io": {"error": "", "hung": False, "written": "x", **io}}}
 
 
 def test_shared_dir_names_a_worker_whose_file_the_head_cannot_see_and_a_wrong_uid():
     from trainer.controller.preflight import storage
 
-    writes = {
-        "head": {"uid": 2000, "error": ""},
-        "w1": {"uid": 2000, "error": ""},
-        "w2": {"uid": 1001, "error": ""},
-    }
+    facts = {"head": _written(), "w1": _written(), "w2": _written(uid=1001)}
     verify = {"results": {"head": {"visible": True, "uid": 2000, "content_ok": True},
                           "w1": {"visible": False, "error": "No such file or directory"}}}  # fmt: skip
-    results = {r.subject: r for r in storage.shared_dir(_cluster(), writes, verify, _no_answer)}
+    results = {r.subject: r for r in storage.shared_dir(_cluster(), facts, verify, _no_answer, _no_answer)}
     assert results["head"].status == PASS
     assert results["w1"].status == FAIL and "not visible on head" in results["w1"].detail
-    assert "mount" in results["w1"].fix
+    assert_fix(results["w1"], "w1", "mount /shared")
     assert (
         results["w2"].status == FAIL
         and "uid 1001" in results["w2"].detail
         and "uid 2000" in results["w2"].fix
     )
+    assert_fix(results["w2"], "w2", "cluster_training_uid")
+
+
+def test_shared_dir_not_writable_on_the_head_fixes_the_export_not_a_mount():
+    """The head's shared dir is the export itself: the fix is its owner and mode there."""
+    from trainer.controller.preflight import storage
+
+    facts = {
+        "head": _written(error="Permission denied: /shared/.preflight-head-x"),
+        "w1": _written(),
+        "w2": _written(),
+    }
+    verify = {"results": {n: {"visible": True, "uid": 2000, "content_ok": True} for n in ("w1", "w2")}}
+    results = {r.subject: r for r in storage.shared_dir(_cluster(), facts, verify, _no_answer, _no_answer)}
+    head = results["head"]
+    assert head.status == FAIL and "Permission denied" in head.detail
+    assert_fix(head, "head", "chown trainer:trainer /shared")
+    assert "mount" not in head.fix.split("(")[0]
+    hung = storage.shared_dir(
+        _cluster(),
+        {**facts, "head": _written(), "w1": _written(hung=True, seconds=10)},
+        verify,
+        _no_answer,
+        _no_answer,
+    )
+    w1 = next(r for r in hung if r.subject == "w1")
+    assert w1.status == FAIL and "did not return within 10 s" in w1.detail
+    assert_fix(w1, "w1", "umount -f -l /shared")
 
 
 def test_a_node_that_did_not_answer_fails_every_check_with_the_reason():
@@ -285,3 +334,518 @@ def test_interconnect_names_the_nodes_without_infiniband_and_what_nccl_will_use(
         for r in interconnect(_cluster(head={"cluster_nccl_ib_disable": 1}), everywhere, _no_answer)
     }
     assert off["cluster"].status == WARN and "cluster_nccl_ib_disable: auto" in off["cluster"].fix
+
+
+def test_torch_disagreeing_with_nvidia_smi_is_named_as_the_one_that_disagrees():
+    from trainer.controller.preflight import nodes
+
+    gpu = {"count": 8, "models": ["NVIDIA H100 80GB HBM3"] * 8, "source": "nvidia-smi", "driver": "580.95"}
+    inventory = {"cluster_accelerators": 8, "cluster_accelerator_model": "NVIDIA H100 80GB HBM3"}
+    cpu_torch = {"torch": "2.13.0+cpu", "torch_cuda": None, "torch_gpus": 0}
+    facts = {name: {"accelerators": gpu, "versions": cpu_torch} for name in ("head", "w1", "w2")}
+    results = nodes.accelerators(_cluster(head=inventory, w1=inventory, w2=inventory), facts, _no_answer)
+    torch_failures = [r for r in results if r.status == FAIL and "torch sees" in r.detail]
+    assert {r.subject for r in torch_failures} == {"head", "w1", "w2"}
+    assert (
+        "(nvidia-smi lists 8): torch disagrees with nvidia-smi and the inventory" in torch_failures[0].detail
+    )
+    assert_fix(torch_failures[0], torch_failures[0].subject, "training_torch_index_url_cuda")
+    # nvidia-smi lists 4 of the 8 and torch sees the same 4: the node lacks GPUs, the inventory disagrees.
+    four = {**gpu, "count": 4, "models": gpu["models"][:4]}
+    facts = {
+        "head": {"accelerators": gpu, "versions": {"torch_gpus": 8, "torch_cuda": "12.6"}},
+        "w1": {"accelerators": gpu, "versions": {"torch_gpus": 8, "torch_cuda": "12.6"}},
+        "w2": {"accelerators": four, "versions": {"torch_gpus": 4, "torch_cuda": "12.6"}},
+    }
+    results = nodes.accelerators(_cluster(head=inventory, w1=inventory, w2=inventory), facts, _no_answer)
+    listed = next(r for r in results if r.status == FAIL and "nvidia-smi lists 4" in r.detail)
+    assert "torch in the venv sees 4, as nvidia-smi does: the inventory disagrees" in listed.detail
+    short = next(r for r in results if r.status == FAIL and "torch sees 4 of the 8" in r.detail)
+    assert "nvidia-smi lists 4 too: the node lacks GPUs, not only torch" in short.detail
+
+
+def _topology_cluster(**per_host):
+    base = {"training_procs_per_node": 2}
+    return _cluster(**{h: {**base, **per_host.get(h, {})} for h in ("head", "w1", "w2")})
+
+
+def test_topology_is_built_as_launch_builds_it_and_a_duplicate_rank_names_both_hosts():
+    from trainer.controller.preflight import topology
+
+    results, plan = topology.evaluate(_topology_cluster())
+    assert plan is not None and results[0].status == PASS
+    assert "3 node(s) × 2 process(es), world size 6" in results[0].detail
+    assert (
+        "w2 node 2 (ranks 4-5)" in results[0].detail
+        and "effective batch 16 × 6 × 1 = 96" in results[0].detail
+    )
+    results, plan = topology.evaluate(
+        _topology_cluster(w1={"cluster_node_rank": 1}, w2={"cluster_node_rank": 1})
+    )
+    assert plan is None and results[0].status == FAIL and results[0].subject == "w1, w2"
+    assert "node rank 1 is given to more than one host: w1, w2" in results[0].detail
+    assert_fix(results[0], "w1", "cluster_node_rank", "trainer plan -i inv")
+    results, _ = topology.evaluate(_topology_cluster(w2={"training_procs_per_node": 1}))
+    assert results[0].status == FAIL and "training_procs_per_node differs" in results[0].detail
+
+
+def _links(*interfaces):
+    return {"interfaces": {"interfaces": list(interfaces)}}
+
+
+def _link(name, *addresses, mtu=1500, up=True, loopback=False):
+    flags = (["LOOPBACK"] if loopback else ["BROADCAST"]) + (["UP", "LOWER_UP"] if up else [])
+    return {
+        "name": name,
+        "flags": flags,
+        "operstate": "UP" if up else "DOWN",
+        "mtu": mtu,
+        "addresses": list(addresses),
+    }
+
+
+def _addressed(**per_host):
+    addresses = {"head": "10.0.0.1", "w1": "10.0.0.2", "w2": "10.0.0.3"}
+    return _cluster(**{h: {"cluster_ip": a, **per_host.get(h, {})} for h, a in addresses.items()})
+
+
+def test_interface_auto_resolves_as_launch_and_names_what_is_wrong_per_node():
+    from trainer.controller.preflight import interfaces
+
+    lo = _link("lo", "127.0.0.1/8", mtu=65536, loopback=True)
+    facts = {
+        "head": _links(lo, _link("eth0", "10.0.0.1/24")),
+        "w1": _links(lo, _link("eth0", "10.0.0.2/24", up=False)),
+        "w2": _links(lo, _link("eth0", "10.0.0.99/24")),  # cluster_ip 10.0.0.3 is on no interface
+    }
+    results = {r.subject: r for r in interfaces.evaluate(_addressed(), facts, _no_answer)}
+    assert results["head"].status == PASS
+    assert results["head"].detail.startswith("NCCL_SOCKET_IFNAME==eth0, GLOO_SOCKET_IFNAME=eth0: eth0 up")
+    assert results["w1"].status == FAIL and "eth0 on w1 is down" in results["w1"].detail
+    assert_fix(results["w1"], "w1", "ip link set eth0 up")
+    assert (
+        results["w2"].status == FAIL
+        and "no interface of w2 holds its cluster_ip 10.0.0.3" in results["w2"].detail
+    )
+    assert_fix(results["w2"], "w2", "cluster_nccl_socket_ifname")
+
+
+def test_interface_named_in_the_inventory_must_exist_hold_the_address_and_suit_gloo():
+    from trainer.controller.preflight import interfaces
+
+    def facts_with(w1_links):
+        return {
+            "head": _links(_link("eth0", "10.0.0.1/24")),
+            "w1": _links(*w1_links),
+            "w2": _links(_link("eth0", "10.0.0.3/24")),
+        }
+
+    cluster = _addressed(
+        head={"cluster_nccl_socket_ifname": "eth"},
+        w1={"cluster_nccl_socket_ifname": "eth9"},
+        w2={"cluster_nccl_socket_ifname": "=eth0"},
+    )
+    results = {
+        r.subject: r
+        for r in interfaces.evaluate(cluster, facts_with([_link("eth0", "10.0.0.2/24")]), _no_answer)
+    }
+    assert results["w1"].status == FAIL and "NCCL_SOCKET_IFNAME=eth9" in results["w1"].detail
+    assert "matches no interface of w1" in results["w1"].detail
+    assert_fix(results["w1"], "w1", "cluster_nccl_socket_ifname: =eth0")
+    # A prefix works for NCCL but gloo takes one exact name: launch would export GLOO_SOCKET_IFNAME=eth.
+    assert results["head"].status == FAIL and "GLOO_SOCKET_IFNAME=eth " in results["head"].detail
+    assert_fix(results["head"], "head", "cluster_nccl_socket_ifname: =eth0")
+    assert results["w2"].status == PASS
+    # The named interface exists but carries another network than the cluster address.
+    cluster = _addressed(w1={"cluster_nccl_socket_ifname": "=ib0"})
+    links = [_link("eth0", "10.0.0.2/24"), _link("ib0", "192.168.5.2/24")]
+    results = {r.subject: r for r in interfaces.evaluate(cluster, facts_with(links), _no_answer)}
+    assert (
+        results["w1"].status == FAIL
+        and "none of which holds its cluster_ip 10.0.0.2 (eth0 does)" in results["w1"].detail
+    )
+
+
+def test_interface_mtu_that_differs_from_the_other_nodes_is_named():
+    from trainer.controller.preflight import interfaces
+
+    facts = {
+        "head": _links(_link("eth0", "10.0.0.1/24")),
+        "w1": _links(_link("eth0", "10.0.0.2/24", mtu=9000)),
+        "w2": _links(_link("eth0", "10.0.0.3/24")),
+    }
+    failed = [r for r in interfaces.evaluate(_addressed(), facts, _no_answer) if r.status == FAIL]
+    assert [r.subject for r in failed] == ["w1"]
+    assert "MTU 9000 on w1's eth0, the other nodes use 1500" in failed[0].detail
+    assert_fix(failed[0], "w1", "ip link set dev eth0 mtu 1500")
+
+
+def test_nccl_interface_spec_matching():
+    from trainer.controller.preflight.interfaces import nccl_selects
+
+    names = ["lo", "eth0", "eth1", "docker0", "ib0"]
+    assert nccl_selects("eth", names) == ["eth0", "eth1"]
+    assert nccl_selects("=eth0", names) == ["eth0"]
+    assert nccl_selects("^docker,lo", names) == ["eth0", "eth1", "ib0"]
+    assert nccl_selects("=eth", names) == []
+
+
+TRACKING_WORKER = {
+    "Reference ID": "0A000001 (10.0.0.1)",
+    "Stratum": "11",
+    "Leap status": "Normal",
+    "System time": "0.000012 seconds fast of NTP time",
+}
+
+
+def _clock_facts(**chrony):
+    default = {"running": True, "tracking": TRACKING_WORKER}
+    head = {
+        "running": True,
+        "tracking": {"Reference ID": "7F7F0101 ()", "Stratum": "10", "Leap status": "Normal"},
+    }
+    return {
+        "head": {"chrony": chrony.get("head", head)},
+        "w1": {"chrony": chrony.get("w1", default)},
+        "w2": {"chrony": chrony.get("w2", default)},
+    }
+
+
+def _clients(*offsets):
+    return {
+        name: {"clock": {"samples": [[100.0, 100.0005 - off, 100.001]]}}
+        for name, off in zip(("w1", "w2"), offsets, strict=True)
+    }
+
+
+def test_clock_checks_chronyd_runs_and_is_synchronised_besides_the_measured_offset():
+    from trainer.controller.preflight import network
+
+    cluster = _addressed()
+    healthy = {
+        r.subject: r
+        for r in network.clock_results(
+            cluster, _clients(0.0, 0.0), _clock_facts(), 1.0, _no_answer, _no_answer
+        )
+    }
+    assert all(r.status == PASS for r in healthy.values()), healthy
+    assert "chronyd synchronised to 0A000001 (10.0.0.1)" in healthy["w1"].detail
+    assert "+0.000 s against head" in healthy["w1"].detail
+    # chronyd stopped on w1: the offset is still fine today, but nothing keeps it so.
+    stopped = {"running": False, "rc": 1, "error": "506 Cannot talk to daemon"}
+    results = {
+        r.subject: r
+        for r in network.clock_results(
+            cluster, _clients(0.0, 0.0), _clock_facts(w1=stopped), 1.0, _no_answer, _no_answer
+        )
+    }
+    assert results["w1"].status == FAIL and "chronyd is not running on w1" in results["w1"].detail
+    assert_fix(results["w1"], "w1", "systemctl enable --now chrony")
+    # Running but following nothing.
+    unsynced = {
+        "running": True,
+        "tracking": {"Reference ID": "00000000 ()", "Leap status": "Not synchronised"},
+    }
+    results = {
+        r.subject: r
+        for r in network.clock_results(
+            cluster, _clients(0.0, 0.0), _clock_facts(w2=unsynced), 1.0, _no_answer, _no_answer
+        )
+    }
+    assert results["w2"].status == FAIL and "not synchronised" in results["w2"].detail
+    assert_fix(results["w2"], "w2", "chronyc -n sources", "123/udp")
+    # A clock past the bound and a stopped chronyd on the same node: both named.
+    results = {
+        r.subject: r
+        for r in network.clock_results(
+            cluster, _clients(2.5, 0.0), _clock_facts(w1=stopped), 1.0, _no_answer, _no_answer
+        )
+    }
+    assert "not running" in results["w1"].detail and "+2.500 s off head's" in results["w1"].detail
+    assert "chronyc makestep" in results["w1"].fix
+    # Not installed at all.
+    missing = {"running": False, "rc": 127, "error": "chronyc is not installed"}
+    head = {
+        r.subject: r
+        for r in network.clock_results(
+            cluster, _clients(0.0, 0.0), _clock_facts(head=missing), 1.0, _no_answer, _no_answer
+        )
+    }["head"]
+    assert head.status == FAIL and "chrony is not installed on head" in head.detail
+    assert_fix(head, "head", "--tags timesync")
+
+
+def _nfs_facts(server=None, **clients):
+    server = server or {
+        "role": "server",
+        "service": {"name": "nfs-server", "state": "active"},
+        "rpc": {"answered": True, "accepted": True},
+    }
+    mounted = {
+        "nfs": {"role": "client", "rpc": {"answered": True, "accepted": True}},
+        "shared": {
+            "mount": {"point": "/shared", "fstype": "nfs4", "source": "10.0.0.1:/shared"},
+            "io": {"hung": False, "error": "", "seconds": 0.02},
+        },
+    }
+    return {"head": {"nfs": server}, "w1": clients.get("w1", mounted), "w2": clients.get("w2", mounted)}
+
+
+def test_nfs_server_down_is_named_on_the_head_and_from_every_worker():
+    from trainer.controller.preflight import nfs
+
+    cluster = _addressed()
+    healthy = nfs.evaluate(cluster, _nfs_facts(), _no_answer)
+    assert [r.status for r in healthy] == [PASS, PASS, PASS], healthy
+    refused = {"role": "client", "rpc": {"answered": False, "error": "Connection refused"}}
+    down = {
+        "role": "server",
+        "service": {"name": "nfs-server", "state": "inactive"},
+        "rpc": {"answered": False, "error": "Connection refused"},
+    }
+    results = {
+        r.subject: r
+        for r in nfs.evaluate(cluster, _nfs_facts(down, w1={"nfs": refused}, w2={"nfs": refused}), _no_answer)
+    }
+    assert results["head"].status == FAIL and "nfs-server is inactive on head" in results["head"].detail
+    assert_fix(results["head"], "head", "systemctl restart nfs-server")
+    assert results["w1"].status == FAIL
+    assert (
+        "the NFS server on head (10.0.0.1:2049) does not answer w1: Connection refused"
+        in results["w1"].detail
+    )
+    assert_fix(results["w1"], "head", "10.0.0.2")
+
+
+def test_nfs_hung_mount_is_a_failure_naming_the_server_and_the_remount():
+    from trainer.controller.preflight import nfs
+
+    hung = {
+        "nfs": {"role": "client", "rpc": {"answered": True}},
+        "shared": {
+            "mount": {"point": "/shared", "fstype": "nfs4", "source": "10.0.0.1:/shared"},
+            "io": {"hung": True, "error": "no answer within 10 s", "seconds": 10},
+        },
+    }
+    results = {r.subject: r for r in nfs.evaluate(_addressed(), _nfs_facts(w2=hung), _no_answer)}
+    assert results["w2"].status == FAIL and "the NFS mount /shared on w2 hangs" in results["w2"].detail
+    assert "server head, 10.0.0.1" in results["w2"].detail
+    assert_fix(results["w2"], "w2", "umount -f -l /shared && mount /shared")
+    local = {
+        "nfs": {"role": "client", "rpc": {"answered": True}},
+        "shared": {"mount": {"point": "/", "fstype": "ext4", "source": "/dev/sda1"}, "io": {}},
+    }
+    results = {r.subject: r for r in nfs.evaluate(_addressed(), _nfs_facts(w1=local), _no_answer)}
+    assert (
+        results["w1"].status == FAIL
+        and "/shared is not an NFS mount on w1 (it is on ext4 at /)" in results["w1"].detail
+    )
+    assert_fix(results["w1"], "w1", "mount /shared")
+
+
+def test_nfs_in_containers_checks_the_fstab_entry_and_the_libnfs_round_trip():
+    from trainer.controller.preflight import nfs
+
+    cluster = _addressed(w1={"nfs_client_mount_state": "present"}, w2={"nfs_client_mount_state": "present"})
+    ok = {
+        "nfs": {"role": "client", "rpc": {"answered": True}, "libnfs": {"ok": True}},
+        "shared": {"mount": {"point": "/", "fstype": "overlay"}, "fstab": {"source": "10.0.0.1:/shared"}},
+    }
+    no_entry = {**ok, "shared": {"mount": {"point": "/", "fstype": "overlay"}, "fstab": None}}
+    results = {r.subject: r for r in nfs.evaluate(cluster, _nfs_facts(w1=ok, w2=no_entry), _no_answer)}
+    assert results["w1"].status == PASS and "libnfs" in results["w1"].detail
+    assert results["w2"].status == FAIL and "no fstab entry for /shared on w2" in results["w2"].detail
+    assert_fix(results["w2"], "w2", "--tags nfs_client")
+    gids = _addressed(w1={"cluster_training_gid": 2000})
+    assert nfs.libnfs_url(gids, gids.workers[0]) == "nfs://10.0.0.1/shared?version=4&uid=2000&gid=2000"
+
+
+def test_stale_build_lock_fails_with_the_file_and_the_fix_and_ops_not_built_ahead_warn():
+    from trainer.controller.preflight import extensions
+
+    lock = {
+        "path": "/var/cache/x/deepspeed_shm_comm/lock",
+        "op_dir": "/var/cache/x/deepspeed_shm_comm",
+        "op": "deepspeed_shm_comm",
+        "age_s": 3600.0,
+        "stale": True,
+    }
+    built = {
+        "configured_dir": "/var/cache/x",
+        "built": {"deepspeed_shm_comm": True},
+        "stale": [],
+        "locks": [],
+    }
+    facts = {
+        "head": {"extensions": built},
+        "w1": {"extensions": {**built, "stale": [lock], "locks": [lock]}},
+        "w2": {
+            "extensions": {
+                "configured_dir": "",
+                "default_dir": "/home/t/.cache/torch_extensions",
+                "built": {},
+                "stale": [],
+                "locks": [],
+            }
+        },
+    }
+    results = {r.subject: r for r in extensions.evaluate(_cluster(), facts, _no_answer)}
+    assert results["head"].status == PASS and "built ahead in /var/cache/x" in results["head"].detail
+    assert (
+        results["w1"].status == FAIL
+        and "stale build lock /var/cache/x/deepspeed_shm_comm/lock" in results["w1"].detail
+    )
+    assert_fix(results["w1"], "w1", "rm -rf /var/cache/x/deepspeed_shm_comm", "as trainer")
+    assert results["w2"].status == WARN and "not built ahead on w2" in results["w2"].detail
+    assert "--tags trainer_env" in results["w2"].fix
+
+
+def _space_plan(**config):
+    from trainer.controller.launcher.plan import make_plan
+
+    return make_plan(_topology_cluster(), overrides=[f"{k}={v}" for k, v in config.items()])
+
+
+def test_checkpoint_estimate_and_the_room_it_needs():
+    from trainer.controller.preflight import space
+
+    plan = _space_plan(**{"model.n_layer": 2, "model.n_embd": 64, "data.block_size": 64})
+    size, how = space.checkpoint_estimate(plan, None)
+    params = 12 * 2 * 64**2 + 64 * (2 * 256 + 64)
+    assert size == params * 12 and f"{params:,} parameters" in how
+    assert space.checkpoints_kept(plan) == 3  # save_total_limit 2, plus the one being written
+    facts = {
+        name: {
+            "shm": {"free_bytes": 10 * 2**30, "error": ""},
+            "shared": {"io": {"free_bytes": 2 * size, "hung": False, "error": ""}},
+        }
+        for name in ("head", "w1", "w2")
+    }
+    results = {r.subject: r for r in space.evaluate(_topology_cluster(), plan, facts, _no_answer)}
+    assert results["head"].status == WARN and "3 checkpoint(s)" in results["head"].detail
+    assert "checkpoint.save_total_limit" in results["head"].fix and "head" in results["head"].fix
+    facts["head"]["shared"]["io"]["free_bytes"] = size // 2
+    results = {r.subject: r for r in space.evaluate(_topology_cluster(), plan, facts, _no_answer)}
+    assert results["head"].status == FAIL and "less than one checkpoint" in results["head"].detail
+    assert_fix(results["head"], "head", "cluster_shared_dir")
+
+
+def test_shm_too_small_on_a_multi_gpu_node_fails_naming_the_remount():
+    from trainer.controller.preflight import space
+
+    gpus = {"cluster_accelerators": 8, "cluster_accelerator_model": "H100"}
+    cluster = _cluster(head=gpus, w1=gpus, w2=gpus)
+    facts = {
+        name: {"shm": {"free_bytes": 64 * 2**20, "error": ""}, "shared": {"io": {}}}
+        for name in ("head", "w1", "w2")
+    }
+    results = [r for r in space.evaluate(cluster, None, facts, _no_answer) if r.status == FAIL]
+    assert len(results) == 3 and "/dev/shm on w1 has 64.0 MiB free, 1.00 GiB needed" in results[1].detail
+    assert_fix(results[1], "w1", "mount -o remount,size=1G /dev/shm")
+
+
+def _iperf(forward, reverse):
+    return {
+        "end": {
+            "sum_received": {"bits_per_second": forward * 1e9},
+            "sum_received_bidir_reverse": {"bits_per_second": reverse * 1e9},
+        }
+    }
+
+
+def _bandwidth(values):
+    """values: {(client, server): (forward, reverse)} for the 3 pairs of a 3-node round robin."""
+    nodes = ["head", "w1", "w2"]
+    rounds = [{"index": i, "pairs": [{"client": c, "server": s}]} for i, (c, s) in enumerate(values, 1)]
+    clients = [{"client": c, "peer_name": s, **_iperf(*v)} for (c, s), v in values.items()]
+    return bandwidth.evaluate(nodes, rounds, clients, {}, 1.0, _no_answer)
+
+
+def test_bandwidth_outlier_names_both_hosts_and_the_direction():
+    healthy = {("head", "w1"): (4.1, 3.8), ("head", "w2"): (3.2, 4.4), ("w1", "w2"): (2.9, 4.0)}
+    results, _ = _bandwidth(healthy)
+    assert [r.status for r in results] == [PASS, PASS, PASS]
+    shaped = {**healthy, ("w1", "w2"): (0.05, 4.0)}  # w1 -> w2 shaped to 50 Mbit/s
+    results, report = _bandwidth(shaped)
+    warned = [r for r in results if r.status == WARN]
+    assert [r.subject for r in warned] == ["w1 <-> w2"]
+    assert (
+        "w1 -> w2 0.050 Gbit/s is 80x below the median of the other links (4.00 Gbit/s)" in warned[0].detail
+    )
+    assert "from w1 to w2" in warned[0].fix and "tc qdisc show" in warned[0].fix
+    assert report["outlier_fraction"] == bandwidth.OUTLIER_FRACTION
+    # Below the absolute threshold everywhere: every pair warns, none is an outlier.
+    results, _ = bandwidth.evaluate(
+        ["a", "b"],
+        [{"index": 1, "pairs": [{"client": "a", "server": "b"}]}],
+        [{"client": "a", "peer_name": "b", **_iperf(0.5, 0.01)}],
+        {},
+        1.0,
+        _no_answer,
+    )
+    assert (
+        results[0].status == WARN and "below 1 Gbit/s" in results[0].detail
+    )  # 2 nodes: no median to compare
+
+
+def _phases(prebuilt=True, **bounds):
+    from trainer.controller.preflight.deepspeed_job import BOUNDS_S, Phases
+
+    return Phases({"head": 0, "w1": 1}, "head", prebuilt, 0.0, {**BOUNDS_S, **bounds})
+
+
+LAUNCH_LINE = "[clustertrain] 2026-11-22T23:00:00+00:00 launch run-abc on ct-head in /shared: torchrun ..."
+
+
+def test_deepspeed_phases_follow_the_nodes_logs():
+    phases = _phases()
+    assert phases.update(1.0) is None and phases.phase == "start"
+    phases.add_lines("head", [LAUNCH_LINE], 2.0)
+    assert phases.current() == "start"  # w1 has not started yet
+    phases.add_lines("w1", [LAUNCH_LINE], 3.0)
+    assert phases.update(3.0) == "rendezvous"
+    phases.add_lines("head", ["GPU health monitor off: this rank trains on the CPU"], 10.0)
+    assert phases.update(10.0) == "compile (prebuilt)"
+    phases.add_lines("head", ["DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"], 11.0)
+    assert phases.update(11.0) is None  # w1 has not loaded its op yet
+    phases.add_lines("w1", ["DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"], 12.0)
+    assert phases.update(12.0) == "setup"
+    phases.add_lines("head", ["training 109,312 parameters with deepspeed on 2 process(es)"], 14.0)
+    assert phases.update(14.0) == "step 1"
+    phases.add_lines("head", ["step 1/4 loss 4.5 lr 3e-3 tok/s 5,000 step_time 300ms"], 20.0)
+    assert phases.update(20.0) == "step 2"
+    phases.add_lines("head", ["step 2/4 loss 4.2", "step 3/4 loss 4.1", "step 4/4 loss 3.9"], 23.0)
+    assert phases.update(23.0) == "checkpoint"
+    phases.add_lines("head", ["checkpoint /shared/runs/x/checkpoints/step-4"], 24.0)
+    assert phases.update(24.0) == "finishing"
+
+
+def test_a_phase_past_its_bound_is_a_stall_naming_the_phase_and_the_node():
+    phases = _phases(prebuilt=True)
+    phases.add_lines("head", [LAUNCH_LINE, "GPU health monitor off: cpu"], 5.0)
+    phases.add_lines("w1", [LAUNCH_LINE], 5.0)
+    phases.add_lines("head", ["DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"], 6.0)
+    assert phases.stall(6.0) is None and phases.phase == "compile (prebuilt)"
+    assert phases.stall(6.0 + 180) is None
+    stall = phases.stall(6.0 + 181)
+    assert stall is not None and stall.phase == "compile (prebuilt)" and stall.hosts == ["w1"]
+    assert "w1: last output 182 s ago: [clustertrain]" in stall.detail
+    # Not built ahead: a real compile gets its own, longer bound.
+    slow = _phases(prebuilt=False)
+    slow.add_lines("head", [LAUNCH_LINE, "GPU health monitor off: cpu"], 5.0)
+    slow.add_lines("w1", [LAUNCH_LINE], 5.0)
+    assert slow.stall(5.0) is None and slow.phase == "compile" and slow.stall(5.0 + 600) is None
+    assert slow.stall(5.0 + 901).phase == "compile"
+
+
+def test_step_bound_grows_with_the_slowest_step():
+    phases = _phases(step=120)
+    phases.add_lines("head", [LAUNCH_LINE, "GPU health monitor off", "training 1 parameters"], 0.0)
+    phases.add_lines("w1", [LAUNCH_LINE, "DeepSpeed x built successfully"], 0.0)
+    phases.add_lines("head", ["DeepSpeed x built successfully", "step 1/100 loss 1"], 10.0)
+    phases.add_lines("head", ["step 2/100 loss 1"], 40.0)  # a 30 s step
+    phases.update(40.0)
+    assert phases.phase == "step 3" and phases.bound() == 600  # 20 × 30 s, above the 120 s floor
+    assert phases.stall(40.0 + 599) is None
+    stall = phases.stall(40.0 + 601)
+    assert stall.phase == "step 3" and stall.hosts == ["head", "w1"]  # a collective: every node waits

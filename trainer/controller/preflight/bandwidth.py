@@ -72,10 +72,39 @@ def format_matrix(nodes: list[str], cells: list[list[float | None]]) -> str:
     return "\n".join(lines)
 
 
+#: A direction slower than this fraction of the median of every other measured direction is an
+#: outlier: one bad link (a cable, a shaper, a duplex mismatch), not a slow network.
+OUTLIER_FRACTION = 0.25
+
+
+def outlier_medians(measured: dict[tuple[str, str], float | None]) -> dict[tuple[str, str], float]:
+    """(sender, receiver) -> median of all other directions, for the directions that are outliers.
+
+    Needs at least two other measurements (three directions: 2 nodes have only one pair)."""
+    values = {key: v for key, v in measured.items() if v is not None}
+    found = {}
+    for key, value in values.items():
+        others = sorted(v for other, v in values.items() if other != key)
+        if len(others) < 2:
+            continue
+        middle = len(others) // 2
+        median = others[middle] if len(others) % 2 else (others[middle - 1] + others[middle]) / 2
+        if value < OUTLIER_FRACTION * median:
+            found[key] = median
+    return found
+
+
 def evaluate_pair(
-    client: str, server: str, forward: float | None, reverse: float | None, error: str, threshold_gbit: float
+    client: str,
+    server: str,
+    forward: float | None,
+    reverse: float | None,
+    error: str,
+    threshold_gbit: float,
+    outliers: dict[tuple[str, str], float] | None = None,
 ) -> Result:
-    """A failed test is a failure; a slow pair is a warning with the ZeRO advice."""
+    """A failed test is a failure; an outlier direction or a pair below the threshold a warning
+    naming both hosts (the ZeRO advice comes once, after the matrix)."""
     subject = f"{client} <-> {server}"
     if error or forward is None:
         return Result(
@@ -83,20 +112,44 @@ def evaluate_pair(
             subject,
             FAIL,
             f"iperf3 test failed: {error}",
-            fix=f"check that iperf3 is installed on both nodes and that the cluster comm port range is open "
-            f"on {server} for {client} (ufw allow from the cluster subnet)",
+            fix=f"check that iperf3 is installed on {client} and {server} (apt-get install iperf3) and that "
+            f"ufw on {server} allows the cluster comm port range from {client} "
+            "(ansible-playbook site.yml --tags firewall)",
         )
     slowest = min(v for v in (forward, reverse) if v is not None)
     shown = f"{forward:.2f} Gbit/s ->" + (f", {reverse:.2f} Gbit/s <-" if reverse is not None else "")
     data = {"client": client, "server": server, "forward_gbit": forward, "reverse_gbit": reverse}
+    slow_directions = [
+        (sender, receiver, value, (outliers or {})[(sender, receiver)])
+        for sender, receiver, value in ((client, server, forward), (server, client, reverse))
+        if value is not None and (sender, receiver) in (outliers or {})
+    ]
+    if slow_directions:
+        detail = "; ".join(
+            f"{sender} -> {receiver} {value:.3f} Gbit/s is {median / max(value, 1e-9):.0f}x below the median "
+            f"of the other links ({median:.2f} Gbit/s)"
+            for sender, receiver, value, median in slow_directions
+        )
+        sender, receiver = slow_directions[0][:2]
+        return Result(
+            CHECK,
+            subject,
+            WARN,
+            detail,
+            fix=f"one slow link, from {sender} to {receiver}: on {sender} and {receiver} look for errors "
+            "and drops (ip -s link), the negotiated speed and duplex (ethtool <interface>) and a traffic "
+            f"shaper (tc qdisc show); reproduce with iperf3 -c <{receiver}'s cluster_ip> run on {sender}",
+            data={**data, "outlier": [list(d[:2]) for d in slow_directions]},
+        )
     if slowest < threshold_gbit:
-        # The ZeRO advice is printed once after the matrix; per pair it would repeat N(N-1)/2 times.
         return Result(
             CHECK,
             subject,
             WARN,
             f"{shown}: below {threshold_gbit:g} Gbit/s",
-            fix="see the ZeRO advice below the matrix",
+            fix=f"check the NICs and the route between {client} and {server} (ip -s link and ethtool "
+            "<interface> on both), or lower the bar for this network (--bandwidth-threshold-gbit, "
+            "preflight_bandwidth_threshold_gbit); see the ZeRO advice below the matrix",
             data=data,
         )
     return Result(CHECK, subject, PASS, f"{shown} (threshold {threshold_gbit:g} Gbit/s)", data=data)
@@ -136,26 +189,31 @@ def evaluate(
     """Verdicts per pair and the matrix (for the report) from the iperf3 probes of every round."""
     by_pair = {(c["client"], c.get("peer_name")): c for c in clients}
     measured: dict[tuple[str, str], float | None] = {}
-    results = []
+    parsed: dict[tuple[str, str], tuple[float | None, float | None, str]] = {}
     for scheduled in rounds:
         for pair in scheduled["pairs"]:
             client, server = pair["client"], pair["server"]
             answer = by_pair.get((client, server))
             if answer is None:
                 started = servers.get(f"{server}#{scheduled['index']}") or {}
-                reason = started.get("error") or why_missing(client)
-                results.append(evaluate_pair(client, server, None, None, reason, threshold_gbit))
+                parsed[(client, server)] = (None, None, started.get("error") or why_missing(client))
                 continue
             forward, reverse, error = parse_iperf_json(answer)
+            parsed[(client, server)] = (forward, reverse, error)
             measured[(client, server)] = forward
             measured[(server, client)] = reverse
-            results.append(evaluate_pair(client, server, forward, reverse, error, threshold_gbit))
+    outliers = outlier_medians(measured)
+    results = [
+        evaluate_pair(client, server, *values, threshold_gbit, outliers)
+        for (client, server), values in parsed.items()
+    ]
     cells = matrix(nodes, measured)
     report = {
         "unit": "Gbit/s",
         "nodes": nodes,
         "matrix": cells,
         "threshold_gbit": threshold_gbit,
+        "outlier_fraction": OUTLIER_FRACTION,
         "rounds": [[[p["client"], p["server"]] for p in r["pairs"]] for r in rounds],
     }
     return results, report

@@ -1,24 +1,44 @@
 """`trainer preflight -i INVENTORY`: check a cluster before a launch and name the fix for each problem.
 
-Probes run on the nodes through one Ansible playbook (playbooks/preflight.yml next to this module,
-via trainer.controller.runner); this module turns what they print into pass/fail lines per host or
-pair, writes the JSON report and exits PREFLIGHT_FAILED when any check failed.
+Two passes. The probe pass (seconds): the job's topology built on the controller exactly as `trainer
+launch` builds it, then one Ansible playbook (playbooks/preflight.yml next to this module, via
+trainer.controller.runner) whose probes print JSON on every node; this module turns it into pass/
+fail lines per host or pair. Then the DeepSpeed job (minutes): a real launch, phase by phase, never a
+silent hang. The JSON report is written and the exit code is PREFLIGHT_FAILED when any check failed.
+
+Stopped at any moment (Ctrl-C, SIGTERM), preflight stops its DeepSpeed job on every node, ends the
+processes its probes started there, removes its marker files and the build locks its job left, then
+exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
-from trainer.controller.preflight.report import CHECKS, FAIL, SKIP, WARN, Report, Result, format_result
+from trainer.controller.preflight.report import (
+    CHECKS,
+    FAIL,
+    PASS,
+    SKIP,
+    WARN,
+    Report,
+    Result,
+    format_result,
+)
 
 DEFAULT_REPORT = Path("output/preflight.json")
-#: The checks answered by the probe playbook; the DeepSpeed job runs on its own after them.
+#: The checks answered on the controller or by the probe playbook; the DeepSpeed job runs after them.
 PROBE_CHECKS = tuple(check for check in CHECKS if check != "deepspeed")
+DEFAULT_BANDWIDTH_GBIT = 10.0
+INTERRUPTED = 130
 
 
 def _positive(text: str) -> float:
@@ -31,6 +51,15 @@ def _positive(text: str) -> float:
     return value
 
 
+def _bound(text: str) -> tuple[str, float]:
+    from trainer.controller.preflight.deepspeed_job import BOUNDS_S
+
+    name, sep, value = text.partition("=")
+    if not sep or name not in BOUNDS_S:
+        raise argparse.ArgumentTypeError(f"expected PHASE=SECONDS with PHASE one of {', '.join(BOUNDS_S)}")
+    return name, _positive(value)
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-i", "--inventory", required=True, help="inventory directory or file (e.g. inventory/local)"
@@ -41,8 +70,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bandwidth-threshold-gbit",
         type=_positive,
-        default=10.0,
-        help="warn below this iperf3 bandwidth between two nodes (default 10)",
+        default=None,
+        help="warn below this iperf3 bandwidth between two nodes (default: the inventory's "
+        f"preflight_bandwidth_threshold_gbit, else {DEFAULT_BANDWIDTH_GBIT:g})",
     )
     parser.add_argument(
         "--clock-bound-s",
@@ -51,6 +81,22 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="fail when a node's clock is further than this from the head's (default 1.0)",
     )
     parser.add_argument("--iperf-seconds", type=int, default=3, help="length of each iperf3 test (default 3)")
+    parser.add_argument(
+        "--io-timeout",
+        type=_positive,
+        default=10.0,
+        help="seconds a statvfs or write in the shared dir may take before the mount counts as hung "
+        "(default 10)",
+    )
+    parser.add_argument(
+        "--deepspeed-bound",
+        type=_bound,
+        action="append",
+        default=[],
+        metavar="PHASE=SECONDS",
+        help="how long a phase of the DeepSpeed job may last before it counts as stalled (repeatable; "
+        "see the README for the defaults)",
+    )
     parser.add_argument(
         "--skip",
         nargs="+",
@@ -66,6 +112,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def _print(results: list[Result]) -> None:
     for result in results:
         print(format_result(result), flush=True)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,35 +147,119 @@ def run(args: argparse.Namespace) -> int:
     for name in args.skip:
         report.add([Result(name, "cluster", SKIP, "skipped: --skip")])
 
-    probe_checks = [c for c in checks if c in PROBE_CHECKS]
-    if probe_checks:
-        try:
-            report.add(_probe_results(cluster, probe_checks, args, report))
-        except ValueError as err:  # bad port range and the like, found before anything ran
-            print(f"trainer preflight: {err}", file=sys.stderr)
-            return exitcodes.CONFIG_ERROR
-    if "deepspeed" in checks:
-        from trainer.controller.preflight import deepspeed_job
-
-        print("preflight: tiny DeepSpeed job (ZeRO-2) writing a checkpoint to the shared dir ...", flush=True)
-        ds_results = deepspeed_job.run_check(cluster)
-        _print(ds_results)
-        report.add(ds_results)
+    token = secrets.token_hex(8)
+    job_started: list[float] = []
+    # A TERM (a CI job's timeout, a supervisor) stops preflight the way Ctrl-C does.
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        code = _checks(cluster, checks, args, report, token, job_started)
+    except KeyboardInterrupt:
+        _clean_after_interrupt(cluster, token, job_started)
+        report.duration_s = time.monotonic() - started
+        report.add([Result("preflight", "cluster", FAIL, "interrupted: stopped before the end")])
+        report.write(args.report)
+        print(
+            f"preflight interrupted after {report.duration_s:.1f} s; nothing of it is left running",
+            flush=True,
+        )
+        return INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+    if code is not None:
+        return code
 
     report.duration_s = time.monotonic() - started
     report.write(args.report)
     failed, warned = report.failed, [r for r in report.results if r.status == WARN]
     verdict = "FAILED" if failed else "passed"
+    probe = f" (probe pass {report.probe_duration_s:.1f} s)" if report.probe_duration_s else ""
     print(
         f"preflight {verdict}: {len(failed)} failure(s), {len(warned)} warning(s) "
-        f"in {report.duration_s:.1f} s; "
-        f"report: {args.report}",
+        f"in {report.duration_s:.1f} s{probe}; report: {args.report}",
         flush=True,
     )
     if failed:
         print("failing: " + ", ".join(sorted({f"{r.check} ({r.subject})" for r in failed})), flush=True)
         return exitcodes.PREFLIGHT_FAILED
     return exitcodes.OK
+
+
+def _checks(
+    cluster, checks: list[str], args, report: Report, token: str, job_started: list[float]
+) -> int | None:
+    """Both passes; None when they ran to the end (the verdict comes from the report)."""
+    from trainer.controller.preflight import topology
+
+    plan = None
+    probe_started = time.monotonic()
+    if "topology" in checks or "space" in checks:
+        topology_results, plan = topology.evaluate(cluster)
+        if "topology" in checks:
+            _print(topology_results)
+            report.add(topology_results)
+    probe_checks = [c for c in checks if c in PROBE_CHECKS and c != "topology"]
+    if probe_checks:
+        try:
+            report.add(_probe_results(cluster, probe_checks, args, report, token, plan))
+        except ValueError as err:  # bad port range and the like, found before anything ran
+            print(f"trainer preflight: {err}", file=sys.stderr)
+            return exitcodes.CONFIG_ERROR
+    report.probe_duration_s = time.monotonic() - probe_started
+    print(f"preflight: probe pass done in {report.probe_duration_s:.1f} s", flush=True)
+    if "deepspeed" in checks:
+        blockers = _deepspeed_blockers(report)
+        if blockers:
+            result = Result(
+                "deepspeed",
+                "cluster",
+                SKIP,
+                f"not started: it would fail or hang on what these checks found: {blockers}",
+            )
+            _print([result])
+            report.add([result])
+        else:
+            report.add(_deepspeed(cluster, args, report, token, job_started))
+    return None
+
+
+def _deepspeed_blockers(report: Report) -> str:
+    """Failures that make the DeepSpeed job pointless (it could only hang or fail on them)."""
+    blocking = ("topology", "deepspeed_ops", "interface", "master_port", "nfs", "shared_dir", "versions")
+    found = sorted({f"{r.check} ({r.subject})" for r in report.failed if r.check in blocking})
+    return ", ".join(found)
+
+
+def _deepspeed(cluster, args, report: Report, token: str, job_started: list[float]) -> list[Result]:
+    from trainer.controller.preflight import deepspeed_job, probe
+
+    ops = [r for r in report.results if r.check == "deepspeed_ops"]
+    prebuilt = bool(ops) and all(r.status == PASS and "built ahead" in r.detail for r in ops)
+    print("preflight: tiny DeepSpeed job (ZeRO-2) writing a checkpoint to the shared dir ...", flush=True)
+    job_started.append(time.time())
+    results = deepspeed_job.run_check(
+        cluster,
+        prebuilt=prebuilt,
+        bounds=dict(args.deepspeed_bound),
+        say=lambda line: print(line, flush=True),
+        cleanup=lambda newer_than: probe.cleanup(cluster, token, newer_than),
+    )
+    _print(results)
+    return results
+
+
+def _clean_after_interrupt(cluster, token: str, job_started: list[float]) -> None:
+    """Ctrl-C again must not cut the cleanup short (it would leave processes behind)."""
+    from trainer.controller.preflight import probe
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        print("preflight: interrupted: cleaning up on every node (wait for it) ...", flush=True)
+        print(
+            f"preflight: {probe.cleanup(cluster, token, job_started[0] if job_started else None)}", flush=True
+        )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _progress():
@@ -144,11 +278,54 @@ def _progress():
     return on_event
 
 
-def _probe_results(cluster, checks: list[str], args, report: Report) -> list[Result]:
-    from trainer.controller.preflight import bandwidth, interconnect, network, nodes, probe, ssh, storage
+def bandwidth_threshold(cluster, cli_value: float | None) -> float:
+    if cli_value is not None:
+        return cli_value
+    raw = cluster.head.get("preflight_bandwidth_threshold_gbit")
+    try:
+        value = float(raw) if raw not in (None, "") else DEFAULT_BANDWIDTH_GBIT
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"preflight_bandwidth_threshold_gbit must be a number of Gbit/s, got {raw!r}"
+        ) from None
+    if value <= 0:
+        raise ValueError(f"preflight_bandwidth_threshold_gbit must be above 0, got {raw!r}")
+    return value
 
+
+def _probe_results(cluster, checks: list[str], args, report: Report, token: str, plan) -> list[Result]:
+    from trainer.controller.preflight import (
+        bandwidth,
+        extensions,
+        interconnect,
+        interfaces,
+        network,
+        nfs,
+        nodes,
+        probe,
+        space,
+        ssh,
+        storage,
+    )
+
+    threshold = bandwidth_threshold(cluster, args.bandwidth_threshold_gbit)
+    model_dir = str(plan.config["model"].get("name_or_path") or "") if plan is not None else ""
     print(f"preflight: probing {', '.join(checks)} ...", flush=True)
-    probes = probe.run_probes(cluster, checks, iperf_seconds=args.iperf_seconds, on_event=_progress())
+    probes = probe.run_probes(
+        cluster,
+        checks,
+        iperf_seconds=args.iperf_seconds,
+        on_event=_progress(),
+        token=token,
+        model_dir=model_dir,
+        io_timeout_s=args.io_timeout,
+    )
+    if probes.status == "timeout":
+        print(
+            "preflight: the probe playbook ran past its time limit and was stopped; what was measured "
+            "by then is below (a node that did not answer is named by each check)",
+            flush=True,
+        )
     results: list[Result] = []
 
     def missing(task):
@@ -165,21 +342,32 @@ def _probe_results(cluster, checks: list[str], args, report: Report) -> list[Res
         results += network.master_port(cluster, listener, clients, missing(probe.CLIENT))
     if "ufw" in checks:
         results += network.ufw(cluster, probes.outputs.get(probe.UFW, {}), missing(probe.UFW))
+    if "interface" in checks:
+        results += interfaces.evaluate(cluster, facts, missing(probe.NODE_FACTS))
     if "accelerators" in checks:
         results += nodes.accelerators(cluster, facts, missing(probe.NODE_FACTS))
     if "versions" in checks:
         results += nodes.versions(cluster, facts, missing(probe.NODE_FACTS))
     if "interconnect" in checks:
         results += interconnect.interconnect(cluster, facts, missing(probe.NODE_FACTS))
+    if "deepspeed_ops" in checks:
+        results += extensions.evaluate(cluster, facts, missing(probe.NODE_FACTS))
     if "clock" in checks:
-        results += network.clock_results(cluster, clients, args.clock_bound_s, missing(probe.CLIENT))
+        results += network.clock_results(
+            cluster, clients, facts, args.clock_bound_s, missing(probe.CLIENT), missing(probe.NODE_FACTS)
+        )
+    if "nfs" in checks:
+        results += nfs.evaluate(cluster, facts, missing(probe.NODE_FACTS))
     if "shared_dir" in checks:
         results += storage.shared_dir(
             cluster,
-            probes.outputs.get(probe.SHARED_WRITE, {}),
+            facts,
             probes.get(probe.SHARED_VERIFY, cluster.head.name),
-            missing(probe.SHARED_WRITE),
+            missing(probe.NODE_FACTS),
+            missing(probe.SHARED_VERIFY),
         )
+    if "space" in checks:
+        results += space.evaluate(cluster, plan, facts, missing(probe.NODE_FACTS))
     if "data" in checks:
         results += storage.data(cluster, facts, missing(probe.NODE_FACTS))
     _print(results)
@@ -193,16 +381,15 @@ def _probe_results(cluster, checks: list[str], args, report: Report) -> list[Res
                 rounds,
                 probes.iperf,
                 probes.outputs.get(probe.IPERF_SERVER, {}),
-                args.bandwidth_threshold_gbit,
+                threshold,
                 missing(probe.IPERF_CLIENT),
             )
             print(f"bandwidth: {len(rounds)} parallel round(s) for {len(names)} nodes", flush=True)
             print(bandwidth.format_matrix(names, report.bandwidth["matrix"]), flush=True)
         _print(pair_results)
-        if any(r.status == WARN for r in pair_results):
+        if any(r.status == WARN and "below" in r.detail and "median" not in r.detail for r in pair_results):
             print(
-                f"WARNING: bandwidth below {args.bandwidth_threshold_gbit:g} Gbit/s between some nodes: "
-                + bandwidth.ZERO_ADVICE,
+                f"WARNING: bandwidth below {threshold:g} Gbit/s between some nodes: " + bandwidth.ZERO_ADVICE,
                 flush=True,
             )
         results += pair_results

@@ -19,7 +19,13 @@ def interconnect(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[R
         found = (facts.get(host.name) or {}).get("infiniband")
         if found is None:
             results.append(
-                Result(CHECK, host.name, FAIL, f"cannot read {IB_DEVICES_DIR}: {why_missing(host.name)}")
+                Result(
+                    CHECK,
+                    host.name,
+                    FAIL,
+                    f"cannot read {IB_DEVICES_DIR}: {why_missing(host.name)}",
+                    fix=f"check that Ansible reaches {host.name} and python3 runs there",
+                )
             )
             continue
         devices[host.name] = list(found)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.controller.inventory import Cluster
-from trainer.controller.preflight.report import FAIL, PASS, SKIP, Result
+from trainer.controller.preflight.report import FAIL, PASS, SKIP, WARN, Result
 
 
 def master_port(
@@ -26,7 +26,7 @@ def master_port(
                 head.name,
                 FAIL,
                 f"could not open a test listener: {why_missing(head.name)}",
-                fix="check that python3 runs on the head",
+                fix=f"check that python3 runs on {head.name} (python3 --version there)",
             )
         ]
     state = listener.get("master_port", {})
@@ -40,8 +40,8 @@ def master_port(
                 f"port {port} on {head.name} is already in use"
                 if in_use
                 else f"cannot listen on {port}: {state.get('error')}",
-                fix=f"stop what holds {head.address}:{port} (a leftover trainer? ss -ltnp 'sport = :{port}') "
-                "or choose another cluster_master_port",
+                fix=f"on {head.name}: stop what holds {head.address}:{port} (a leftover trainer? "
+                f"ss -ltnp 'sport = :{port}') or choose another cluster_master_port",
             )
         ]
     results = []
@@ -54,7 +54,7 @@ def master_port(
                     worker.name,
                     FAIL,
                     f"could not test: {why_missing(worker.name)}",
-                    fix="check that Ansible reaches this worker",
+                    fix=f"check that Ansible reaches {worker.name} (ansible {worker.name} -m ping)",
                 )
             )
             continue
@@ -68,7 +68,7 @@ def master_port(
                     worker.name,
                     FAIL,
                     f"cannot connect to {head.name} {head.address}:{port}: {reached.get('error')}",
-                    fix=f"allow the master port on the head for the cluster: ufw allow from "
+                    fix=f"allow the master port on {head.name} for the cluster: ufw allow from "
                     f"{head.get('cluster_subnet', '<cluster subnet>')} to any port {port} proto tcp "
                     "(the firewall role does; check `ufw status numbered` for a deny above it)",
                 )
@@ -167,7 +167,7 @@ def ufw(cluster: Cluster, outputs: dict[str, Any], why_missing) -> list[Result]:
                     host.name,
                     FAIL,
                     f"could not read ufw: {why_missing(host.name)}",
-                    fix="check that Ansible can become root on this node",
+                    fix=f"check that Ansible can become root on {host.name} (ansible {host.name} -b -m ping)",
                 )
             )
             continue
@@ -183,7 +183,8 @@ def ufw(cluster: Cluster, outputs: dict[str, Any], why_missing) -> list[Result]:
                     host.name,
                     FAIL,
                     f"ufw status failed: {message[-200:]}",
-                    fix="install and enable ufw with the cluster rules: make provision (firewall role)",
+                    fix=f"install and enable ufw with the cluster rules on {host.name}: "
+                    "ansible-playbook site.yml --tags firewall",
                 )
             )
             continue
@@ -195,7 +196,8 @@ def ufw(cluster: Cluster, outputs: dict[str, Any], why_missing) -> list[Result]:
                     host.name,
                     FAIL,
                     "ufw is inactive: every port is open to every network",
-                    fix="enable the firewall with the cluster rules: make provision (firewall role)",
+                    fix=f"enable the firewall with the cluster rules on {host.name}: "
+                    "ansible-playbook site.yml --tags firewall",
                 )
             )
             continue
@@ -236,26 +238,64 @@ def ufw(cluster: Cluster, outputs: dict[str, Any], why_missing) -> list[Result]:
     return results
 
 
-def clock_results(cluster: Cluster, clients: dict[str, Any], bound_s: float, why_missing) -> list[Result]:
+def clock_results(
+    cluster: Cluster,
+    clients: dict[str, Any],
+    facts: dict[str, Any],
+    bound_s: float,
+    why_missing_client,
+    why_missing_facts,
+) -> list[Result]:
+    """One verdict per node: chronyd running and synchronised (the head's source, the workers'
+    the head), and each worker's offset against the head as measured."""
     from trainer.controller.preflight import clock
 
     if cluster.is_single_host:
         return [Result(clock.CHECK, cluster.head.name, SKIP, "skipped: one node")]
-    results = [Result(clock.CHECK, cluster.head.name, PASS, "reference clock (offsets are against the head)")]
-    for worker in cluster.workers:
-        answer = (clients.get(worker.name) or {}).get("clock")
-        if not answer or not answer.get("samples"):
-            reason = (answer or {}).get("error") or why_missing(worker.name)
-            results.append(
-                Result(
-                    clock.CHECK,
-                    worker.name,
-                    FAIL,
-                    f"cannot measure the clock of {worker.name} against {cluster.head.name}: {reason}",
-                    fix="open the cluster comm port range on the head for the workers",
+    head = cluster.head
+    results = []
+    for host in cluster.hosts:
+        is_head = host.name == head.name
+        chrony = (facts.get(host.name) or {}).get("chrony")
+        if chrony is None:
+            chrony = {"running": False, "error": why_missing_facts(host.name)}
+        status, detail, fix = clock.chrony_verdict(host.name, chrony, head.name, head.address, is_head)
+        verdicts = [(status, detail, fix)]
+        data: dict[str, Any] = {"chrony": chrony.get("tracking")}
+        if is_head:
+            verdicts.append((PASS, "reference clock (offsets are against the head)", ""))
+        else:
+            answer = (clients.get(host.name) or {}).get("clock")
+            if not answer or not answer.get("samples"):
+                reason = (answer or {}).get("error") or why_missing_client(host.name)
+                verdicts.append(
+                    (
+                        FAIL,
+                        f"cannot measure the clock of {host.name} against {head.name}: {reason}",
+                        f"open the cluster comm port range on {head.name} for {host.name} "
+                        f"(ufw allow from {host.address} to any port "
+                        f"{head.get('cluster_comm_port_range', '29400:29999')!s}/tcp)",
+                    )
                 )
+            else:
+                offset, rtt = clock.best_offset([tuple(s) for s in answer["samples"]])
+                measured = clock.evaluate(host.name, head.name, offset, rtt, bound_s)
+                verdicts.append((measured.status, measured.detail, measured.fix))
+                data.update(measured.data)
+        worst = (
+            FAIL
+            if any(v[0] == FAIL for v in verdicts)
+            else (WARN if any(v[0] == WARN for v in verdicts) else PASS)
+        )
+        shown = [v for v in verdicts if v[0] == worst] if worst != PASS else verdicts
+        results.append(
+            Result(
+                clock.CHECK,
+                host.name,
+                worst,
+                "; ".join(v[1] for v in (verdicts if worst == PASS else shown)),
+                fix="; ".join(v[2] for v in shown if v[2]),
+                data=data,
             )
-            continue
-        offset, rtt = clock.best_offset([tuple(s) for s in answer["samples"]])
-        results.append(clock.evaluate(worker.name, cluster.head.name, offset, rtt, bound_s))
+        )
     return results

@@ -25,7 +25,8 @@ def accelerators(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[R
                     host.name,
                     FAIL,
                     f"cannot read accelerators: {reason}",
-                    fix=f"check the NVIDIA driver on {host.name} (nvidia-smi)",
+                    fix=f"on {host.name}: nvidia-smi must list the GPUs (install or repair the NVIDIA "
+                    "driver), or set cluster_accelerators: 0 for a CPU node",
                 )
             )
             continue
@@ -45,20 +46,31 @@ def accelerators(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[R
                     host.name,
                     FAIL,
                     f"mixed GPU models on one node: {', '.join(models)}",
-                    fix="use one GPU model per node (mixed types unbalance the ranks)",
+                    fix=f"give {host.name} one GPU model (mixed types unbalance the ranks), or leave it out "
+                    "of the inventory",
                 )
             )
         elif (count, model) != expected:
+            torch_count = ((facts.get(host.name) or {}).get("versions") or {}).get("torch_gpus")
+            torch_says = (
+                f"; torch in the venv sees {torch_count}, as nvidia-smi does: the inventory disagrees"
+                if torch_count == count and expected[0] > 0
+                else (
+                    f"; torch in the venv sees {torch_count}"
+                    if torch_count is not None and expected[0] > 0
+                    else ""
+                )
+            )
             results.append(
                 Result(
                     check,
                     host.name,
                     FAIL,
-                    f"node reports {shown}; inventory says {expected[0]} x {expected[1]}",
+                    f"nvidia-smi lists {shown}; inventory says {expected[0]} x {expected[1]}{torch_says}",
                     fix=f"set cluster_accelerators: {count} and cluster_accelerator_model: {model!r} "
                     f"for {host.name} "
-                    "in the inventory, or fix the node (driver, failed GPU)",
-                    data={"count": count, "model": model},
+                    "in the inventory, or fix the node (driver, failed GPU: nvidia-smi -q)",
+                    data={"count": count, "model": model, "torch_gpus": torch_count},
                 )
             )
         else:
@@ -75,8 +87,8 @@ def accelerators(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[R
                 name,
                 FAIL,
                 f"{count} x {model} differs from the other nodes ({reference[0]} x {reference[1]})",
-                fix="every node needs the same number and model of accelerators "
-                "(GPUS_PER_NODE is one number)",
+                fix=f"give {name} the same GPUs as the other nodes (nvidia-smi -L on {name} lists what it "
+                "sees: a failed GPU?), or leave it out of the inventory (GPUS_PER_NODE is one number)",
             )
         )
     return results
@@ -104,15 +116,23 @@ def torch_sees_the_gpus(host, expected: int, smi: dict[str, Any], found: dict[st
     build = f"torch {found.get('torch')} ({f'CUDA {cuda} build' if cuda else 'CPU build'})"
     if visible >= expected:
         return [Result(check, host.name, PASS, f"torch sees {visible} GPU(s): {build}, driver {driver}")]
+    listed = smi.get("count")
+    # Which source disagrees: nvidia-smi (the driver's view) or torch (what training will use).
+    verdict = (
+        "torch disagrees with nvidia-smi and the inventory"
+        if listed is not None and int(listed) >= expected
+        else f"nvidia-smi lists {listed} too: the node lacks GPUs, not only torch"
+    )
     return [
         Result(
             check,
             host.name,
             FAIL,
-            f"torch sees {visible} of the {expected} GPU(s) the inventory gives this node: {build}, "
-            f"driver {driver}",
-            fix="install the CUDA build of torch that matches the driver (training_torch_index_url_cuda, "
-            "then ansible-playbook site.yml --tags trainer_env) or update the driver",
+            f"torch sees {visible} of the {expected} GPU(s) the inventory gives this node "
+            f"(nvidia-smi lists {listed}): {verdict}; {build}, driver {driver}",
+            fix=f"install on {host.name} the CUDA build of torch that matches its driver "
+            "(training_torch_index_url_cuda, then ansible-playbook site.yml --tags trainer_env) or update "
+            f"the driver on {host.name}",
             data={"torch_gpus": visible, "torch_cuda": found.get("torch_cuda"), "driver": driver},
         )
     ]
@@ -133,7 +153,8 @@ def versions(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[Resul
                     host.name,
                     FAIL,
                     f"cannot read versions from {venv}: {reason}",
-                    fix="create the training venv on this node: make provision",
+                    fix=f"create the training venv on {host.name}: "
+                    "ansible-playbook site.yml --tags trainer_env",
                 )
             )
             continue
@@ -145,7 +166,8 @@ def versions(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[Resul
                     host.name,
                     FAIL,
                     f"not installed in {venv}: {', '.join(missing)}",
-                    fix="install the training stack into the venv: make provision",
+                    fix=f"install the training stack into the venv on {host.name}: "
+                    "ansible-playbook site.yml --tags trainer_env",
                 )
             )
         seen[host.name] = tuple(found.get(key) for key in VERSION_KEYS)

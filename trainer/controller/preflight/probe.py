@@ -10,9 +10,21 @@ from pathlib import Path
 from typing import Any
 
 from trainer.controller.inventory import Cluster
+from trainer.controller.preflight import nfs
 from trainer.controller.preflight.bandwidth import bandwidth_ports, parse_port_range, round_robin
 
 PLAYBOOK = Path(__file__).parent / "playbooks" / "preflight.yml"
+CLEANUP_PLAYBOOK = Path(__file__).parent / "playbooks" / "cleanup.yml"
+#: Every process a probe starts on a node carries this variable (=the run's token), so a stopped
+#: preflight finds and ends what it left (cleanup.yml).
+MARKER = "CLUSTERTRAIN_PREFLIGHT"
+#: As the launcher runs Ansible: one fork per host (set per run), fewer round trips per task.
+ANSIBLE_ENV = {"ANSIBLE_PIPELINING": "True", "ANSIBLE_NOCOLOR": "True"}
+#: The checks that read node_facts.py's output.
+FACT_CHECKS = frozenset(
+    {"accelerators", "versions", "interconnect", "data", "interface", "deepspeed_ops", "clock", "nfs",
+     "shared_dir", "space"}
+)  # fmt: skip
 
 #: Task names in preflight.yml whose stdout is JSON.
 NODE_FACTS = "Preflight | node facts"
@@ -20,7 +32,6 @@ UFW = "Preflight | ufw status"
 SSH = "Preflight | ssh to peers"
 LISTENER = "Preflight | head listener"
 CLIENT = "Preflight | head client"
-SHARED_WRITE = "Preflight | shared dir write"
 SHARED_VERIFY = "Preflight | shared dir verify"
 IPERF_SERVER = "Preflight | iperf3 server"
 IPERF_CLIENT = "Preflight | iperf3 client"
@@ -38,6 +49,8 @@ class Probes:
     #: Every iperf3 client result, in run order (one per pair).
     iperf: list[dict[str, Any]] = field(default_factory=list)
     playbook_output: str = ""
+    #: ansible-runner's status: "successful", "failed", "timeout" (the backstop) or "canceled".
+    status: str = ""
 
     def get(self, probe: str, host: str) -> Any:
         return self.outputs.get(probe, {}).get(host)
@@ -61,10 +74,61 @@ def iperf_rounds(cluster: Cluster) -> list[dict[str, Any]]:
     ]
 
 
-def extravars(cluster: Cluster, checks: list[str], iperf_seconds: int) -> dict[str, Any]:
+def _training_env(host) -> dict[str, str]:
+    """The host's training_env as launch would add it (problems are the topology check's to name)."""
+    from trainer.controller.training_env import EnvError, parse_training_env
+
+    try:
+        return parse_training_env(host.get("training_env")).values
+    except EnvError:
+        return {}
+
+
+def marker_name(host: str, token: str) -> str:
+    """The file each node writes into the shared dir for the head to find."""
+    return f".preflight-{host}-{token}"
+
+
+def node_requests(
+    cluster: Cluster, checks: list[str], token: str, model_dir: str = "", io_timeout_s: float = 10.0
+) -> dict[str, dict[str, Any]]:
+    """Per host: what node_facts.py looks at there (see its docstring)."""
+    wanted = set(checks)
+    requests = {}
+    for host in cluster.hosts:
+        request: dict[str, Any] = {
+            "venv": str(host.get("training_venv") or ""),
+            "data_path": str(host.get("cluster_data_path") or ""),
+            "address": host.address,
+            "io_timeout_s": io_timeout_s,
+            "chrony": "clock" in wanted and not cluster.is_single_host,
+        }
+        if wanted & {"shared_dir", "space", "nfs"}:
+            request["shared_dir"] = str(host.get("cluster_shared_dir") or "")
+        if "shared_dir" in wanted:
+            request["marker"] = {"name": marker_name(host.name, token), "token": token}
+        if "nfs" in wanted:
+            request["nfs"] = nfs.node_request(cluster, host)
+        if "space" in wanted and host.name == cluster.head.name and model_dir.startswith("/"):
+            request["model_dir"] = model_dir
+        if extensions_dir := _training_env(host).get("TORCH_EXTENSIONS_DIR"):
+            request["extensions_dir"] = extensions_dir  # the job's own setting wins over the venv's
+        requests[host.name] = request
+    return requests
+
+
+def extravars(
+    cluster: Cluster,
+    checks: list[str],
+    iperf_seconds: int,
+    token: str | None = None,
+    model_dir: str = "",
+    io_timeout_s: float = 10.0,
+) -> dict[str, Any]:
     head = cluster.head
     comm_range = str(head.get("cluster_comm_port_range", "29400:29999"))
     parse_port_range(comm_range)  # a clear error before anything runs
+    token = token or secrets.token_hex(8)
     return {
         "preflight_checks": checks,
         "preflight_nodes": [{"name": h.name, "address": h.address} for h in cluster.hosts],
@@ -72,19 +136,43 @@ def extravars(cluster: Cluster, checks: list[str], iperf_seconds: int) -> dict[s
         "preflight_head": head.name,
         "preflight_master_port": int(head.get("cluster_master_port", 29500)),
         "preflight_comm_port_range": comm_range,
-        "preflight_token": secrets.token_hex(8),
+        "preflight_token": token,
+        "preflight_marker": MARKER,
+        "preflight_facts": bool(FACT_CHECKS & set(checks)),
+        "preflight_requests": node_requests(cluster, checks, token, model_dir, io_timeout_s),
+        "preflight_io_timeout_s": io_timeout_s,
         "preflight_iperf_rounds": iperf_rounds(cluster) if "bandwidth" in checks else [],
         "preflight_iperf_seconds": iperf_seconds,
     }
 
 
-def run_probes(cluster: Cluster, checks: list[str], iperf_seconds: int = 3, on_event=None) -> Probes:
+def time_limit_s(cluster: Cluster, checks: list[str], iperf_seconds: int, io_timeout_s: float) -> float:
+    """The whole probe playbook's bound: every task has its own timeout, this is the backstop."""
+    rounds = len(round_robin([h.name for h in cluster.hosts])) if "bandwidth" in checks else 0
+    return 300 + 4 * io_timeout_s + rounds * (iperf_seconds + 90)
+
+
+def run_probes(
+    cluster: Cluster,
+    checks: list[str],
+    iperf_seconds: int = 3,
+    on_event=None,
+    token: str | None = None,
+    model_dir: str = "",
+    io_timeout_s: float = 10.0,
+) -> Probes:
     from trainer.controller.runner import run_playbook  # imported here: ansible-runner is heavy
 
+    variables = extravars(cluster, checks, iperf_seconds, token, model_dir, io_timeout_s)
     result = run_playbook(
-        PLAYBOOK, cluster.inventory, extravars=extravars(cluster, checks, iperf_seconds), on_event=on_event
+        PLAYBOOK,
+        cluster.inventory,
+        extravars=variables,
+        on_event=on_event,
+        timeout_s=time_limit_s(cluster, checks, iperf_seconds, io_timeout_s),
+        env=ANSIBLE_ENV | {"ANSIBLE_FORKS": str(max(5, len(cluster.hosts)))},
     )
-    probes = Probes(playbook_output=result.output)
+    probes = Probes(playbook_output=result.output, status=result.status)
     for host, items in result.unreachable.items():
         probes.unreachable[host] = items[0].message
     for item in result.results:
@@ -113,3 +201,38 @@ def run_probes(cluster: Cluster, checks: list[str], iperf_seconds: int = 3, on_e
         else:
             probes.outputs.setdefault(item.task, {})[item.host] = parsed
     return probes
+
+
+def cleanup(cluster: Cluster, token: str, locks_newer_than: float | None = None) -> str:
+    """End what a stopped preflight left on the nodes: its processes (listener, iperf3 servers),
+    its marker files in the shared dir, and build locks a stopped DeepSpeed job left. Returns a
+    one-line summary."""
+    from trainer.controller.runner import run_playbook
+
+    result = run_playbook(
+        CLEANUP_PLAYBOOK,
+        cluster.inventory,
+        extravars={
+            "preflight_token": token,
+            "preflight_marker": MARKER,
+            "preflight_locks_newer_than": locks_newer_than if locks_newer_than is not None else "",
+        },
+        timeout_s=180,
+        env=ANSIBLE_ENV | {"ANSIBLE_FORKS": str(max(5, len(cluster.hosts)))},
+    )
+    done = []
+    for item in result.results:
+        if item.status != "ok" or not str(item.result.get("stdout") or "").strip():
+            continue
+        try:
+            found = json.loads(str(item.result["stdout"]).strip().splitlines()[-1])
+        except ValueError:
+            continue
+        for key in ("killed", "removed_files", "removed_locks"):
+            if found.get(key):
+                done.append(f"{item.host}: {key.replace('_', ' ')} {', '.join(map(str, found[key]))}")
+    failed = sorted(set(result.failed) | set(result.unreachable))
+    summary = "; ".join(done) or "nothing was left"
+    if failed:
+        summary += f" (could not clean up on {', '.join(failed)})"
+    return summary

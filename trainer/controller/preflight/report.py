@@ -14,16 +14,22 @@ FAIL = "fail"
 WARN = "warn"
 SKIP = "skip"
 
-#: Every check family in run order; these names are what `--skip` takes.
+#: Every check family in run order; these names are what `--skip` takes. All but the last run in
+#: the probe pass (one playbook, seconds); `deepspeed` starts a real job afterwards.
 CHECKS: tuple[str, ...] = (
+    "topology",
     "ssh",
     "master_port",
     "ufw",
+    "interface",
     "accelerators",
     "versions",
     "interconnect",
+    "deepspeed_ops",
     "clock",
+    "nfs",
     "shared_dir",
+    "space",
     "data",
     "bandwidth",
     "deepspeed",
@@ -53,6 +59,8 @@ class Report:
     #: The bandwidth matrix (Gbit/s), rows = sender, columns = receiver; None when not measured.
     bandwidth: dict[str, Any] | None = None
     duration_s: float = 0.0
+    #: Wall time of the probe pass (topology and the probe playbook), before the DeepSpeed job.
+    probe_duration_s: float = 0.0
 
     def add(self, results: list[Result]) -> None:
         self.results.extend(results)
@@ -77,6 +85,7 @@ class Report:
             "inventory": self.inventory,
             "ok": self.ok,
             "duration_s": round(self.duration_s, 2),
+            "probe_duration_s": round(self.probe_duration_s, 2),
             "summary": self.summary(),
             "results": [asdict(r) for r in self.results],
             "bandwidth": self.bandwidth,
@@ -95,7 +104,7 @@ class Report:
 def format_result(result: Result) -> str:
     """One line per verdict, the fix on an indented line below a failure or warning."""
     detail = result.detail.replace("\n", "\n      ")  # keep a quoted log tail under its verdict
-    line = f"{result.status.upper():<4}  {result.check:<12} {result.subject:<28} {detail}"
+    line = f"{result.status.upper():<4}  {result.check:<13} {result.subject:<28} {detail}"
     if result.fix and result.status in (FAIL, WARN):
         line += f"\n      fix: {result.fix}"
     return line

@@ -46,7 +46,10 @@ def diagnose(source: str, peer: str, address: str, user: str, stderr: str) -> tu
             f"check the cluster network and that ufw on {peer} allows SSH from the cluster subnet",
         )
     if "could not resolve" in text:
-        return (f"{source} cannot resolve {address}", "use IP addresses (cluster_ip) or fix /etc/hosts")
+        return (
+            f"{source} cannot resolve {address}",
+            f"set cluster_ip of {peer} to its IP address, or add {address} to /etc/hosts on {source}",
+        )
     return (
         f"ssh from {source} to {peer} failed: {stderr.strip()[-200:]}",
         f"run ssh -v {user}@{address} on {source}",

@@ -11,52 +11,77 @@ from trainer.controller.preflight.report import FAIL, PASS, Result
 
 
 def shared_dir(
-    cluster: Cluster, writes: dict[str, Any], verify: dict[str, Any] | None, why_missing
+    cluster: Cluster, facts: dict[str, Any], verify: dict[str, Any] | None, why_missing, why_not_verified
 ) -> list[Result]:
+    """Each node wrote a marker file into the shared dir as the training user (node facts); the
+    head found each one with the training uid and the right content, and removed it."""
     check = "shared_dir"
     head = cluster.head
     shared = head.get("cluster_shared_dir", "?")
     user = head.get("cluster_training_user", "?")
+    group = head.get("cluster_training_group") or user
     expected_uid = head.get("cluster_training_uid")
-    head_write = writes.get(head.name) or {}
     if expected_uid is None:
-        expected_uid = head_write.get("uid")
+        expected_uid = (facts.get(head.name) or {}).get("uid")
     seen_on_head = (verify or {}).get("results", {})
     results = []
     for host in cluster.hosts:
-        write = writes.get(host.name)
-        if write is None:
+        fact = facts.get(host.name)
+        if fact is None:
             results.append(
                 Result(
                     check,
                     host.name,
                     FAIL,
                     f"could not write: {why_missing(host.name)}",
-                    fix=f"check that user {user} exists on {host.name}",
+                    fix=f"check that user {user} exists on {host.name} "
+                    "(ansible-playbook site.yml --tags users)",
                 )
             )
             continue
-        if write.get("error"):
+        write = (fact.get("shared") or {}).get("io") or {}
+        if write.get("hung") or write.get("error"):
+            reason = (
+                f"the write did not return within {write.get('seconds')} s"
+                if write.get("hung")
+                else write["error"]
+            )
+            if host.name == head.name:
+                fix = (
+                    f"on {head.name}: {shared} is the NFS export itself: chown {user}:{group} {shared} && "
+                    f"chmod 2775 {shared} (the nfs_server role sets nfs_server_export_owner/mode: "
+                    "ansible-playbook site.yml --tags nfs_server)"
+                )
+            elif write.get("hung"):
+                fix = (
+                    f"the NFS mount on {host.name} hangs: see the nfs check (server {head.name}); then on "
+                    f"{host.name}: umount -f -l {shared} && mount {shared}"
+                )
+            else:
+                fix = (
+                    f"on {host.name}: mount the head's export at {shared} (mount {shared}; "
+                    f"ansible-playbook site.yml --tags nfs_client), and give {user} (uid {expected_uid}) "
+                    f"write access on {head.name}'s export (chown {user}:{group} {shared} there)"
+                )
             results.append(
                 Result(
                     check,
                     host.name,
                     FAIL,
-                    f"{user} cannot write to {shared}: {write['error']}",
-                    fix=f"mount the head's export at {shared} on {host.name} (the NFS client role), and give "
-                    f"{user} (uid {expected_uid}) write access on the head's export",
+                    f"{user} cannot write to {shared} on {host.name}: {reason}",
+                    fix=fix,
                 )
             )
             continue
-        if write["uid"] != expected_uid:
+        if fact.get("uid") != expected_uid:
             results.append(
                 Result(
                     check,
                     host.name,
                     FAIL,
-                    f"{user} has uid {write['uid']} on {host.name}, {expected_uid} expected",
-                    fix=f"give {user} uid {expected_uid} on every node "
-                    "(files on the share are owned by number)",
+                    f"{user} has uid {fact.get('uid')} on {host.name}, {expected_uid} expected",
+                    fix=f"give {user} uid {expected_uid} on {host.name} (set cluster_training_uid, then "
+                    "ansible-playbook site.yml --tags users: files on the share are owned by number)",
                 )
             )
             continue
@@ -66,8 +91,8 @@ def shared_dir(
                     check,
                     host.name,
                     FAIL,
-                    f"head could not check: {why_missing(head.name)}",
-                    fix=f"check that {shared} exists on the head",
+                    f"{head.name} could not check: {why_not_verified(head.name)}",
+                    fix=f"on {head.name}: {shared} must exist and be readable by {user}",
                 )
             )
             continue
@@ -80,7 +105,8 @@ def shared_dir(
                     FAIL,
                     f"file written on {host.name} is not visible on {head.name} "
                     f"({seen.get('error', 'missing')})",
-                    fix=f"{shared} on {host.name} is not the head's export: mount it (fstab entry, mount -a)",
+                    fix=f"{shared} on {host.name} is not the head's export: on {host.name}: mount {shared} "
+                    "(its fstab entry: ansible-playbook site.yml --tags nfs_client)",
                 )
             )
         elif seen.get("uid") != expected_uid or not seen.get("content_ok"):
@@ -91,7 +117,9 @@ def shared_dir(
                     FAIL,
                     f"file from {host.name} shows owner uid {seen.get('uid')} on {head.name}, "
                     f"{expected_uid} expected" + ("" if seen.get("content_ok") else ", content differs"),
-                    fix="align the training uid/gid on all nodes; export without squashing to another uid",
+                    fix=f"give {user} uid {expected_uid} on {host.name} and {head.name} "
+                    "(cluster_training_uid; ansible-playbook site.yml --tags users), and export without "
+                    "squashing it to another uid (nfs_server_squash)",
                 )
             )
         else:
@@ -122,9 +150,11 @@ def data(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[Result]:
                     host.name,
                     FAIL,
                     f"cannot read the training data {path}: {reason}",
-                    fix="create the training venv on this node (make provision): it holds the bundled text"
+                    fix=f"create the training venv on {host.name} "
+                    "(ansible-playbook site.yml --tags trainer_env): it holds the bundled text"
                     if bundled
-                    else "put the data file on every node at cluster_data_path (or on the share)",
+                    else f"put the data file at {path} on {host.name} (cluster_data_path), or keep it on the "
+                    "shared dir",
                 )
             )
             continue

@@ -20,6 +20,9 @@ import time
 
 def bind(address, port):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # As torch's TCPStore (the rendezvous) does: sockets of a finished job still in TIME_WAIT do
+    # not hold the port, so they must not count as "in use" here either.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((address, port))
         sock.listen(64)
@@ -64,7 +67,7 @@ def main():
     parser.add_argument("--address", required=True, help="the head's cluster address (not 0.0.0.0)")
     parser.add_argument("--master-port", type=int, required=True)
     parser.add_argument("--clock-ports", required=True, help="low:high range to pick the clock port from")
-    parser.add_argument("--lifetime", type=int, default=180)
+    parser.add_argument("--lifetime", type=int, default=120)
     args = parser.parse_args()
 
     listeners = []

@@ -1,0 +1,72 @@
+"""Build DeepSpeed's JIT ops on this node now, so no training start compiles (trainer_env).
+
+    python deepspeed_ops.py EXTENSIONS_DIR [BUILDER_NAME ...]
+
+Run with the training venv's python as the training user. Always builds the communication op
+DeepSpeed's own init builds on this node's accelerator (deepspeed.comm.torch.build_shm_op: the
+shared-memory op on the CPU), then each extra op builder named (e.g. CPUAdamBuilder), into
+EXTENSIONS_DIR (the venv sets TORCH_EXTENSIONS_DIR to it). Stale build locks there (a build killed
+midway) are removed first. Writes clustertrain-ops.json (op -> built library) and prints JSON
+{"changed", "built", "removed_stale", "seconds"}; changed is false when every library was already
+up to date (ninja rebuilt nothing), so provisioning stays idempotent.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def libraries(root: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in root.glob("*/*.so")}
+
+
+def main() -> int:
+    root = Path(sys.argv[1])
+    extra = sys.argv[2:]
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
+    # torch's JIT build runs `ninja` from PATH; the venv has it.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    from trainer.torch_extensions import MANIFEST, remove_stale
+
+    removed = remove_stale({"TORCH_EXTENSIONS_DIR": str(root), "XDG_CACHE_HOME": str(root / ".none")})
+    before = libraries(root)
+    started = time.monotonic()
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    built: dict[str, str] = {}
+    module = build_shm_op()  # None where this accelerator's DeepSpeed init builds no comm op
+    if module is not None:
+        built[Path(module.__file__).parent.name] = module.__file__
+    for name in extra:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None:
+            raise SystemExit(f"DeepSpeed has no op builder {name!r} for this node's accelerator")
+        module = builder.load()
+        built[Path(module.__file__).parent.name] = module.__file__
+    after = libraries(root)
+    manifest = {"ops": built, "accelerator": get_accelerator()._name}
+    manifest_path = root / MANIFEST
+    old = manifest_path.read_text() if manifest_path.exists() else ""
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    if text != old:
+        manifest_path.write_text(text)
+    changed = after != before or text != old or bool(removed)
+    print(
+        json.dumps(
+            {
+                "changed": changed,
+                "built": built,
+                "removed_stale": [lock["path"] for lock in removed],
+                "seconds": round(time.monotonic() - started, 1),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
