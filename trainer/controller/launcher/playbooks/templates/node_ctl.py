@@ -357,6 +357,25 @@ def append_record(launch_dir: Path, record: dict) -> None:
 # --- before the start ---------------------------------------------------------------------------
 
 
+def interface_of_by_ioctl(address: str) -> str:
+    """The interface whose primary IPv4 address is `address`, asked of the kernel directly: for nodes
+    without iproute2 (a minimal image), where `ip` cannot be run."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address on this interface
+            if socket.inet_ntoa(answer[20:24]) == address:
+                return name
+    return ""
+
+
 def interface_of(address: str) -> str:
     """The interface holding `address` ('' if none), from `ip -o addr show`."""
     import subprocess
@@ -365,6 +384,8 @@ def interface_of(address: str) -> str:
         listing = subprocess.run(
             ["ip", "-o", "addr", "show"], capture_output=True, text=True, check=True, timeout=20
         ).stdout
+    except FileNotFoundError:
+        return interface_of_by_ioctl(address)
     except (OSError, subprocess.SubprocessError):
         return ""
     for line in listing.splitlines():
