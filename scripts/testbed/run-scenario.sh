@@ -15,6 +15,8 @@ logs="$repo_root/.cache/testbed-logs/$scenario"
 mkdir -p "$logs"
 
 destroy() {
+  # Test-bed tests run only while this file says "up": never against a bed being torn down.
+  [ "$scenario" != default ] || echo down >/tmp/clustertrain-testbed.status
   "$testbed_dir/molecule.sh" destroy -s "$scenario" >"$logs/destroy.log" 2>&1 \
     || log "destroy failed, see $logs/destroy.log"
 }
