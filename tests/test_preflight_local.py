@@ -4,6 +4,7 @@ addresses (127.0.0.1-3, connection local) so the pair checks, the head listener 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,6 +45,25 @@ def test_local_inventory_passes_and_skips_pair_checks(tmp_path):
     assert by_check["deepspeed"]["detail"] == "skipped: --skip"
     # The shared-dir marker file was removed again.
     assert not list((REPO / "output").glob(".preflight-*"))
+
+
+def test_json_on_stdout_is_the_report_and_everything_else_goes_to_stderr(tmp_path):
+    (REPO / "output").mkdir(exist_ok=True)
+    report_path = tmp_path / "preflight.json"
+    out = preflight("-i", "inventory/local", "--skip", "deepspeed", "--report", str(report_path), "--json")
+    assert out.returncode == exitcodes.OK, out.stdout + out.stderr
+    printed = json.loads(out.stdout)  # nothing but the report on stdout
+    assert printed == json.loads(report_path.read_text())
+    assert printed["ok"] is True and "preflight passed" in out.stderr
+    if shutil.which("jq"):
+        jq = subprocess.run(["jq", "-r", ".ok"], input=out.stdout, capture_output=True, text=True)
+        assert jq.stdout.strip() == "true"
+
+
+def test_json_with_a_config_error_leaves_stdout_empty():
+    out = preflight("-i", "inventory/nowhere", "--json")
+    assert out.returncode == exitcodes.CONFIG_ERROR
+    assert out.stdout == "" and "inventory/nowhere does not exist" in out.stderr
 
 
 def test_missing_inventory_is_a_config_error():

@@ -5,6 +5,7 @@ launch` builds it, then one Ansible playbook (playbooks/preflight.yml next to th
 trainer.controller.runner) whose probes print JSON on every node; this module turns it into pass/
 fail lines per host or pair. Then the DeepSpeed job (minutes): a real launch, phase by phase, never a
 silent hang. The JSON report is written and the exit code is PREFLIGHT_FAILED when any check failed.
+With --json the same report goes to stdout and every other line to stderr (`... --json | jq`).
 
 Stopped at any moment (Ctrl-C, SIGTERM), preflight stops its DeepSpeed job on every node, ends the
 processes its probes started there, removes its marker files and the build locks its job left, then
@@ -14,6 +15,8 @@ exits 130.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import secrets
 import signal
 import sys
@@ -106,6 +109,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="CHECK",
         help=f"checks to leave out: {', '.join(CHECKS)}",
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the JSON report on stdout (the progress lines go to stderr), e.g. `... --json | jq`",
+    )
     add_access_arguments(parser)
 
 
@@ -119,6 +127,26 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.json:
+        return _run(args, [])
+    # File descriptor 1 itself goes to stderr while the checks run, so that nothing (our lines, a
+    # child process's) lands between the JSON and a reader such as jq.
+    sys.stdout.flush()
+    json_out = os.dup(1)
+    os.dup2(2, 1)
+    reports: list[Report] = []
+    try:
+        code = _run(args, reports)
+    finally:
+        sys.stdout.flush()
+        os.dup2(json_out, 1)
+        os.close(json_out)
+    if reports:
+        print(json.dumps(reports[0].to_dict(), indent=2), flush=True)
+    return code
+
+
+def _run(args: argparse.Namespace, reports: list[Report]) -> int:
     from trainer.controller.inventory import InventoryError, load_cluster
 
     started = time.monotonic()
@@ -138,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return exitcodes.CONFIG_ERROR
     report = Report(inventory=str(args.inventory))
+    reports.append(report)
     names = [h.name for h in cluster.hosts]
     print(
         f"preflight: {len(names)} node(s), head {cluster.head.name}"
