@@ -187,3 +187,67 @@ def test_help_does_not_import_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def _flat(tree: dict, prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for name, value in tree.items():
+        key = f"{prefix}.{name}" if prefix else name
+        keys |= _flat(value, key) if isinstance(value, dict) else {key}
+    return keys
+
+
+def test_help_config_lists_every_key_of_default_yaml_with_its_meaning(capsys):
+    import yaml
+
+    assert main(["train", "--help-config"]) == exitcodes.OK
+    listing = capsys.readouterr().out
+    listed = {line.split("  (")[0] for line in listing.splitlines() if line and not line.startswith(" ")}
+    assert _flat(yaml.safe_load(DEFAULT_CONFIG.read_text())) <= listed
+    # Each key comes with its docstring, type and default, e.g.:
+    assert (
+        "train.grad_clip  (float) [1.0]\n    Clip the global gradient norm to this (0 disables clipping)."
+        in listing
+    )
+    assert "distributed.engine  ('ddp' | 'deepspeed' | 'accelerate') [\"ddp\"]" in listing
+    assert "max_grad_norm                -> train.grad_clip" in listing
+
+
+def test_every_key_has_a_docstring_and_every_foreign_name_points_at_a_real_key():
+    from trainer.node.config import FOREIGN_NAMES, config_keys
+
+    keys = {key: doc for key, _, _, doc in config_keys()}
+    assert [key for key, doc in keys.items() if not doc] == []
+    assert {ours for ours in FOREIGN_NAMES.values()} <= set(keys)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "train.max_grad_norm=1.0",
+            "train.max_grad_norm: unknown key; max_grad_norm is train.grad_clip here",
+        ),
+        ("logging_steps=5", "logging_steps: unknown key; logging_steps is train.log_every here"),
+        (
+            "resume_from_checkpoint=true",
+            "resume_from_checkpoint: unknown key; resume_from_checkpoint is checkpoint.resume here",
+        ),
+        ("train.per_device_train_batch_size=4", "per_device_train_batch_size is train.micro_batch_size here"),
+    ],
+)
+def test_hugging_face_names_are_pointed_at_ours(override, expected, capsys):
+    with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
+        load_config(None, [override])
+    # and through the command line: exit 2 with the same message
+    assert main(["train", "--dry-run", "--set", override]) == exitcodes.CONFIG_ERROR
+    assert expected in capsys.readouterr().err
+
+
+def test_hugging_face_names_in_a_yaml_file_are_pointed_at_ours(tmp_path):
+    path = tmp_path / "hf.yaml"
+    path.write_text("train:\n  max_grad_norm: 0.5\n  logging_steps: 1\n")
+    with pytest.raises(
+        ConfigError, match=r"train\.max_grad_norm: unknown key; max_grad_norm is train\.grad_clip"
+    ):
+        load_config(path)

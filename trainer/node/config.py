@@ -14,9 +14,14 @@ raises `ConfigError` naming the key (`train.max_steps`), and `trainer train` exi
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import itertools
+import json
 import re
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -188,10 +193,55 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
     return float(value) if tp is float else value
 
 
+#: Names people bring from the Hugging Face Trainer (TrainingArguments), axolotl and LLaMA-Factory,
+#: and the key that means the same here. Named in the error, never accepted silently: the meaning
+#: differs in details (e.g. `resume_from_checkpoint: true` is `checkpoint.resume: auto`).
+FOREIGN_NAMES: dict[str, str] = {
+    "max_grad_norm": "train.grad_clip",
+    "logging_steps": "train.log_every",
+    "resume_from_checkpoint": "checkpoint.resume",
+    "save_steps": "checkpoint.save_steps",
+    "save_total_limit": "checkpoint.save_total_limit",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "micro_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "learning_rate": "train.learning_rate",
+    "lr": "train.learning_rate",
+    "weight_decay": "train.weight_decay",
+    "warmup_steps": "train.warmup_steps",
+    "warmup_ratio": "train.warmup_ratio",
+    "max_steps": "train.max_steps",
+    "seed": "train.seed",
+    "bf16": "train.mixed_precision",
+    "fp16": "train.mixed_precision",
+    "gradient_checkpointing": "train.gradient_checkpointing",
+    "torch_compile": "train.compile",
+    "eval_steps": "eval.every_steps",
+    "model_name_or_path": "model.name_or_path",
+    "base_model": "model.name_or_path",
+    "model_max_length": "model.max_length",
+    "sequence_len": "model.max_length",
+    "cutoff_len": "model.max_length",
+    "sample_packing": "data.packing",
+    "lora_r": "lora.r",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "lora_target_modules": "lora.target_modules",
+    "lora_target": "lora.target_modules",
+    "ddp_timeout": "distributed.timeout_s",
+}
+
+
 def _unknown_key(key: str, known: typing.Iterable[str]) -> ConfigError:
     name = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(name, list(known), n=1)
-    hint = f"; did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}?" if close else ""
+    ours = FOREIGN_NAMES.get(name)
+    if ours and ours != key:
+        hint = f"; {name} is {ours} here (see `trainer train --help-config`)"
+    else:
+        close = difflib.get_close_matches(name, list(known), n=1)
+        hint = (
+            f"; did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}?" if close else ""
+        )
     return ConfigError(key, f"unknown key{hint} (known: {', '.join(sorted(known))})")
 
 
@@ -275,3 +325,62 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 
 def dump_config(config: TrainerConfig) -> str:
     return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+# --- discovering the keys -----------------------------------------------------------------------
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (a string literal right after its annotation)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (a frozen build): keys without their text
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def config_keys(cls: type = TrainerConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """Every settable key as (dotted key, type, default, docstring), sections in their order."""
+    keys: list[tuple[str, str, Any, str]] = []
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += config_keys(tp, key)
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        type_name = "list of names" if typing.get_origin(tp) is list else _type_name(tp)
+        keys.append((key, type_name, default, docs.get(f.name, "")))
+    return keys
+
+
+def format_config_keys() -> str:
+    """The text of `trainer train --help-config`."""
+    lines = [
+        "Config keys (YAML sections, or --set SECTION.KEY=VALUE); default in brackets.",
+        "",
+    ]
+    for key, type_name, default, doc in config_keys():
+        lines.append(f"{key}  ({type_name}) [{json.dumps(default)}]")
+        lines += [f"    {line}" for line in doc.splitlines()]
+    lines += ["", "Names from the Hugging Face Trainer, axolotl and LLaMA-Factory:"]
+    lines += [f"  {theirs:<28} -> {ours}" for theirs, ours in FOREIGN_NAMES.items()]
+    return "\n".join(lines)

@@ -39,6 +39,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="check the config and the dataset sizing for this world size, print the resolved config, "
         "train nothing",
     )
+    parser.add_argument(
+        "--help-config",
+        action="store_true",
+        help="list every config key with its type, default and meaning (and the Hugging Face Trainer "
+        "names they replace), then exit",
+    )
 
 
 def _rank() -> int:
@@ -57,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
     from trainer.node.data import DataError, read_text, required_repeats
     from trainer.node.distributed import world_size_from_env
 
+    if args.help_config:
+        from trainer.node.config import format_config_keys
+
+        print(format_config_keys())
+        return exitcodes.OK
     try:
         config = load_config(args.config, args.overrides)
         world_size = world_size_from_env()
