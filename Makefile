@@ -63,8 +63,8 @@ preflight: $(if $(filter inventory/local,$(INVENTORY)),install-train,install)
 	$(BIN)/trainer preflight -i $(INVENTORY) $(ARGS)
 
 lint: install-dev
-	$(BIN)/ruff check trainer tests bench
-	$(BIN)/ruff format --check trainer tests bench
+	$(BIN)/ruff check trainer tests bench scripts
+	$(BIN)/ruff format --check trainer tests bench scripts
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint --profile production
 
