@@ -3,7 +3,7 @@
 Writing step N (every rank takes part; engines with sharded state write their own shards):
   1. rank 0 makes `checkpoints/.tmp-step-N/` (removing a leftover from a killed run);
   2. every rank writes its part there: the engine's model/optimizer/scheduler state, its RNG state;
-  3. rank 0 writes `trainer_state.json` last, renames the directory to `step-N` (atomic on one file
+  3. rank 0 writes `clustertrain_state.json` last, renames the directory to `step-N` (atomic on one file
      system), then replaces `latest` atomically (write `latest.tmp`, os.replace) and removes the
      oldest `step-*` beyond `save_total_limit`.
 A kill at any moment leaves `latest` naming a complete checkpoint; `.tmp-*` leftovers are ignored
@@ -32,10 +32,16 @@ from typing import Any
 from trainer.configerror import ConfigError, require
 
 LATEST = "latest"
-STATE_FILE = "trainer_state.json"
+#: Written last into a checkpoint, so its presence means "complete". Not `trainer_state.json`: that is
+#: the Hugging Face Trainer's file, with another schema, and tools that know it would misread ours.
+STATE_FILE = "clustertrain_state.json"
+#: The name older versions of this trainer wrote; their checkpoints still resume and export.
+LEGACY_STATE_FILES = ("trainer_state.json",)
 TMP_PREFIX = ".tmp-"
 DELAY_ENV = "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S"
 DELAY_STEP_ENV = "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_STEP"
+#: Version of the RNG file layout (rng_state); older trainers pickled numpy objects instead.
+RNG_FORMAT = 2
 
 
 @dataclass(kw_only=True)
@@ -70,8 +76,20 @@ def _step_of(path: Path) -> int:
 
 def complete_checkpoints(directory: Path) -> list[Path]:
     """The complete `step-N` directories, oldest first."""
-    found = [p for p in directory.glob("step-*") if p.name[5:].isdigit() and (p / STATE_FILE).is_file()]
+    found = [p for p in directory.glob("step-*") if p.name[5:].isdigit() and is_complete(p)]
     return sorted(found, key=_step_of)
+
+
+def state_path(checkpoint: Path) -> Path | None:
+    """The checkpoint's state file (this version's name, else an older one), or None."""
+    for name in (STATE_FILE, *LEGACY_STATE_FILES):
+        if (checkpoint / name).is_file():
+            return checkpoint / name
+    return None
+
+
+def is_complete(checkpoint: Path) -> bool:
+    return state_path(checkpoint) is not None
 
 
 def find_resume_point(config: CheckpointConfig, output_dir: str | Path) -> tuple[Path | None, str | None]:
@@ -80,7 +98,7 @@ def find_resume_point(config: CheckpointConfig, output_dir: str | Path) -> tuple
         return None, None
     if config.resume != "auto":
         path = Path(config.resume).expanduser()
-        if not (path / STATE_FILE).is_file():
+        if not is_complete(path):
             raise ConfigError(
                 "checkpoint.resume",
                 f"{path} is not a complete checkpoint (no {STATE_FILE}); "
@@ -92,7 +110,7 @@ def find_resume_point(config: CheckpointConfig, output_dir: str | Path) -> tuple
     if not latest.is_file():
         return None, None
     named = directory / latest.read_text().strip()
-    if (named / STATE_FILE).is_file():
+    if is_complete(named):
         return named, None
     # `latest` is only replaced after the rename, so this means someone deleted the directory.
     candidates = complete_checkpoints(directory)
@@ -101,7 +119,10 @@ def find_resume_point(config: CheckpointConfig, output_dir: str | Path) -> tuple
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / STATE_FILE).read_text())
+    path = state_path(checkpoint)
+    if path is None:
+        raise FileNotFoundError(f"{checkpoint / STATE_FILE} does not exist")
+    return json.loads(path.read_text())
 
 
 def resume_fingerprint(config: Any) -> dict[str, Any]:
@@ -117,7 +138,12 @@ def resume_fingerprint(config: Any) -> dict[str, Any]:
 
 
 def check_resumable(checkpoint: Path, config: Any, *, world_size: int) -> None:
-    """ConfigError (before training starts) if this config cannot continue from checkpoint."""
+    """ConfigError (before training starts) if this config cannot continue from checkpoint, or if the
+    checkpoint is not safe to load (check_trusted, and RNG files that are tensors only)."""
+    check_trusted(checkpoint)
+    # Every rank reads every rank's RNG file here, before the process group: all stop together.
+    for path in sorted(checkpoint.glob("rng-rank*.pt")):
+        load_rng_state(path)
     state = read_state(checkpoint)
     saved = state.get("fingerprint", {})
     fix = (
@@ -141,10 +167,26 @@ def check_resumable(checkpoint: Path, config: Any, *, world_size: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """This rank's random generators as plain numbers and tensors: torch.load(weights_only=True) reads it
+    back, so the file can hold no code (a pickle of numpy objects could)."""
     import numpy as np
     import torch
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    python_version, python_words, python_gauss = random.getstate()
+    numpy_kind, numpy_words, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    state = {
+        "format": RNG_FORMAT,
+        "python": {"version": python_version, "words": torch.tensor(python_words, dtype=torch.int64)},
+        "python_gauss": python_gauss,
+        "numpy": {
+            "kind": numpy_kind,
+            "words": torch.from_numpy(numpy_words.astype(np.int64)),
+            "pos": int(numpy_pos),
+            "has_gauss": int(numpy_has_gauss),
+            "gauss": float(numpy_gauss),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -154,8 +196,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
     import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python, numpy_state = state["python"], state["numpy"]
+    random.setstate((python["version"], tuple(python["words"].tolist()), state["python_gauss"]))
+    np.random.set_state(
+        (
+            numpy_state["kind"],
+            numpy_state["words"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["gauss"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -163,6 +214,65 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def rng_file(checkpoint: Path, rank: int) -> Path:
     return checkpoint / f"rng-rank{rank}.pt"
+
+
+def load_rng_state(path: Path) -> dict[str, Any]:
+    """A rank's RNG file, read with torch.load(weights_only=True): no code in it can run. ConfigError
+    naming the file for anything else (a pickle of objects, an older trainer's format, a damaged file)."""
+    import torch
+
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as err:  # whatever is wrong with the file, the answer is the same
+        raise ConfigError(
+            "checkpoint.resume",
+            f"{path} is not a random-state file this trainer wrote (it may hold code: not loaded; "
+            f"{type(err).__name__}); delete it to resume without its random streams, or start over "
+            "with checkpoint.resume=never",
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != RNG_FORMAT:
+        raise ConfigError(
+            "checkpoint.resume",
+            f"{path} is not a random-state file this trainer wrote (format {RNG_FORMAT}); delete it to "
+            "resume without its random streams, or start over with checkpoint.resume=never",
+        )
+    return state
+
+
+def check_trusted(checkpoint: Path, *, uid: int | None = None) -> None:
+    """ConfigError naming the first file that makes `checkpoint` unsafe to load.
+
+    Engines and libraries unpickle what they find in a checkpoint (DeepSpeed's shards, accelerate's
+    random states), and the shared dir is writable by its group: so before anything is loaded, every
+    file and directory in the checkpoint, and the directory holding it (whoever can write there can
+    swap the checkpoint), must be owned by the training account (this process's uid) and writable by
+    it alone; symbolic links are refused (they could point anywhere)."""
+    import stat
+
+    uid = os.getuid() if uid is None else uid
+    fix = (
+        "a checkpoint must be written by the training account and writable by it alone; if you trust the "
+        "files, fix them (chown/chmod go-w), else start over with checkpoint.resume=never"
+    )
+
+    def check(path: Path) -> os.stat_result:
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            problem = "is a symbolic link"
+        elif info.st_uid != uid:
+            problem = f"is owned by uid {info.st_uid}, not the training account (uid {uid})"
+        elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            problem = f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+        else:
+            return info
+        raise ConfigError("checkpoint.resume", f"refusing to load {checkpoint}: {path} {problem}; {fix}")
+
+    checkpoint = Path(os.path.abspath(checkpoint))
+    check(checkpoint.parent)
+    check(checkpoint)
+    for root, directories, files in os.walk(checkpoint):
+        for name in sorted(directories) + sorted(files):
+            check(Path(root) / name)
 
 
 def _write_atomically(path: Path, text: str) -> None:

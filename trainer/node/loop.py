@@ -170,9 +170,7 @@ class Trainer:
     def _resume(self) -> int:
         if self.resume_from is None:
             return 0
-        import torch
-
-        from trainer.node.checkpoint import read_state, rng_file, set_rng_state
+        from trainer.node.checkpoint import load_rng_state, read_state, rng_file, set_rng_state
 
         state = read_state(self.resume_from)
         self.engine.load(self.resume_from)
@@ -184,7 +182,7 @@ class Trainer:
                 "uninterrupted run"
             )
         if rng_path.is_file():
-            set_rng_state(torch.load(rng_path, weights_only=False))
+            set_rng_state(load_rng_state(rng_path))  # checked before the process group started
         self.run_facts["resumed_loss"] = state.get("loss", float("nan"))
         self.reporter.info(f"resumed from {self.resume_from} at step {state['step']}")
         return int(state["step"])

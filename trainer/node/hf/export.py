@@ -8,7 +8,8 @@ tokenizer: the full model, or the LoRA adapter, or with --merge-lora the adapter
 base (a full model that needs no peft). It runs in one process, on the CPU; nothing is trained.
 
 The ddp and accelerate checkpoints are read with torch.load(weights_only=True); DeepSpeed's shards are
-read by DeepSpeed's own zero_to_fp32, which unpickles them: export only checkpoints you wrote.
+read by DeepSpeed's own zero_to_fp32, which unpickles them: a checkpoint with a file the running
+account does not own, or one others can write, is refused before anything is read (check_trusted).
 """
 
 from __future__ import annotations
@@ -51,14 +52,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def resolve_checkpoint(source: Path) -> Path:
-    from trainer.node.checkpoint import LATEST, STATE_FILE, checkpoints_dir
+    from trainer.node.checkpoint import LATEST, STATE_FILE, checkpoints_dir, is_complete
 
-    if (source / STATE_FILE).is_file():
+    if is_complete(source):
         return source
     latest = checkpoints_dir(source) / LATEST
     if latest.is_file():
         named = latest.parent / latest.read_text().strip()
-        if (named / STATE_FILE).is_file():
+        if is_complete(named):
             return named
     raise ConfigError(
         "RUN_DIR_OR_CHECKPOINT",
@@ -69,13 +70,14 @@ def resolve_checkpoint(source: Path) -> Path:
 
 def export(checkpoint: Path, out: Path, *, merge_lora: bool) -> str:
     """Write the model of checkpoint to out; what was written, for the user."""
-    from trainer.node.checkpoint import read_state
+    from trainer.node.checkpoint import check_trusted, read_state
     from trainer.node.config import ModelConfig
     from trainer.node.hf.chat import ensure_chat_template
     from trainer.node.hf.final import save_pretrained, unwrap_state
     from trainer.node.hf.lora import LoraConfig, apply_lora, check_target_modules
     from trainer.node.hf.model import check_source, load_tokenizer
 
+    check_trusted(checkpoint)  # DeepSpeed's zero_to_fp32 unpickles its shards
     fingerprint = read_state(checkpoint).get("fingerprint", {})
     model_config = ModelConfig(**fingerprint.get("model", {}))
     if not model_config.name_or_path:
