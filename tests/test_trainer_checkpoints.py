@@ -32,3 +32,20 @@ def test_resume_with_another_model_is_refused_and_a_finished_run_is_not_retraine
     assert fresh.returncode == 0
     assert fresh.summary["resumed_from"] is None and fresh.summary["steps_this_run"] == 4
     assert [m["step"] for m in fresh.metrics] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_from_before_the_state_file_rename_still_resumes(run_trainer):
+    # Our state file is not `trainer_state.json` (the Hugging Face Trainer's, another schema), but the
+    # checkpoints older versions wrote under that name still resume.
+    first = run_trainer(*TINY, "train.max_steps=2", launcher="none")
+    assert first.returncode == 0, first.stderr[-3000:]
+    step2 = first.output_dir / "checkpoints" / "step-2"
+    assert not (step2 / "trainer_state.json").exists()
+    (step2 / "clustertrain_state.json").rename(step2 / "trainer_state.json")  # as an old version left it
+
+    resumed = run_trainer(*TINY, "train.max_steps=4", launcher="none")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.summary["resumed_from"].endswith("step-2")
+    assert resumed.summary["steps_this_run"] == 2
+    step4 = first.output_dir / "checkpoints" / "step-4"
+    assert (step4 / "clustertrain_state.json").is_file() and not (step4 / "trainer_state.json").exists()

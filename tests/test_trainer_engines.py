@@ -82,9 +82,9 @@ def test_engine_trains_and_resumes_exactly_after_kill_mid_checkpoint(run_trainer
     finally:
         kill_job(job)
     assert (checkpoints / "latest").read_text().strip() == "step-10"
-    assert (checkpoints / "step-10" / "trainer_state.json").is_file()
+    assert (checkpoints / "step-10" / "clustertrain_state.json").is_file()
     assert not (checkpoints / "step-20").exists()
-    assert not (partial / "trainer_state.json").exists()
+    assert not (partial / "clustertrain_state.json").exists()
 
     resumed = finish(start_run(output_dir, [*QUICK, *engine], launcher=launcher), output_dir)
     assert_trained(resumed, world_size=2, engine=name)

@@ -144,7 +144,7 @@ def assert_trained(run: Run, *, world_size: int, engine: str, max_steps: int = 2
     assert len(set(summary["param_checksums"])) == 1, "ranks ended with different parameters"
     latest = (run.output_dir / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step-{max_steps}"
-    assert (run.output_dir / "checkpoints" / latest / "trainer_state.json").is_file()
+    assert (run.output_dir / "checkpoints" / latest / "clustertrain_state.json").is_file()
     step_lines = [line for line in run.stdout.splitlines() if line.startswith("step ")]
     assert step_lines and step_lines[-1].startswith(f"step {max_steps}/{max_steps} loss ")
     if not summary["resumed_from"]:
