@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         return exitcodes.OK
     try:
         config = load_config(args.config, args.overrides)
+        config.health.webhook_target()  # a webhook file or variable is the node's: checked here
         world_size = world_size_from_env()
         if not args.dry_run:
             check_visible_gpus()

@@ -48,7 +48,14 @@ class HealthConfig:
     enabled: bool = True
     """Run the monitor at all. It is off by itself (no thread) on a node without an NVIDIA GPU."""
     webhook_url: str = field(default="", repr=False)
-    """Where `gpu.fault` events go; '' = no webhook. A secret: never logged, redacted in run.json."""
+    """Where `gpu.fault` events go; '' = no webhook. A secret: never logged, redacted in run.json; but
+    a `--set` value shows in `ps` for the whole run, so prefer webhook_url_file or webhook_url_env."""
+    webhook_url_file: str = ""
+    """A file on each node holding the webhook URL (one line; e.g. 0600 in the training user's home):
+    the way to pass the secret. Read by `trainer train` on the node; '' = not used."""
+    webhook_url_env: str = ""
+    """The name of an environment variable holding the webhook URL (e.g. a secret `--env`); '' = not
+    used."""
     webhook_type: str = "raw"
     """`raw` (JSON for an orchestrator) or `discord` (a Discord webhook message)."""
     webhook_timeout_s: float = 5.0
@@ -81,6 +88,7 @@ class HealthConfig:
     def __post_init__(self) -> None:
         _check_bool("enabled", self.enabled)
         _check_url(self.webhook_url)
+        _check_url_source(self.webhook_url, self.webhook_url_file, self.webhook_url_env)
         if self.webhook_type not in WEBHOOK_TYPES:
             raise ConfigError(
                 "webhook_type",
@@ -123,13 +131,55 @@ class HealthConfig:
             data["webhook_url"] = REDACTED
         return data
 
+    def webhook_target(self) -> str:
+        """The webhook URL from webhook_url, webhook_url_file or webhook_url_env ('' = none), checked like
+        webhook_url. Called where the trainer runs (the file and the variable are the node's); a
+        ConfigError names the key (health.*), never the value."""
+        try:
+            return self._webhook_target()
+        except ConfigError as err:
+            raise err.under("health") from None
+
+    def _webhook_target(self) -> str:
+        if self.webhook_url_file:
+            key = "webhook_url_file"
+            try:
+                url = open(self.webhook_url_file, encoding="utf-8").read().strip()  # noqa: SIM115
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(
+                    key, f"cannot read {self.webhook_url_file} ({type(exc).__name__}); a file with one URL"
+                ) from None
+        elif self.webhook_url_env:
+            key = "webhook_url_env"
+            url = os.environ.get(self.webhook_url_env, "").strip()
+            if not url:
+                raise ConfigError(key, f"the environment variable {self.webhook_url_env} is not set or empty")
+        else:
+            return self.webhook_url
+        if not url:
+            raise ConfigError(key, f"{self.webhook_url_file} is empty; put the webhook URL in it")
+        _check_url(url, key=key)
+        return url
+
     def delivery_budget_s(self) -> float:
         """Upper bound of the time one event's delivery can take (every attempt times out)."""
         return (self.webhook_retries + 1) * self.webhook_timeout_s + backoff_total_s(self.webhook_retries)
 
 
-def _check_url(url: Any) -> None:
-    key = "webhook_url"
+def _check_url_source(url: str, path: Any, variable: Any) -> None:
+    given = [name for name, value in (("webhook_url", url), ("webhook_url_file", path),
+                                      ("webhook_url_env", variable)) if value]  # fmt: skip
+    if len(given) > 1:
+        raise ConfigError(given[1], f"set only one of {', '.join(given)} (they all name the webhook URL)")
+    if not isinstance(path, str) or (path and not os.path.isabs(path)):
+        raise ConfigError("webhook_url_file", "must be an absolute path (the file is read on every node)")
+    if not isinstance(variable, str) or (variable and not variable.isidentifier()):
+        raise ConfigError(
+            "webhook_url_env", "must be an environment variable's name, e.g. TRAINER_WEBHOOK_URL"
+        )
+
+
+def _check_url(url: Any, *, key: str = "webhook_url") -> None:
     if not isinstance(url, str):
         raise ConfigError(key, "must be a string (an http:// or https:// URL, or '' for no webhook)")
     if not url:
@@ -153,6 +203,16 @@ def _check_url(url: Any) -> None:
         raise ConfigError(key, "has no host; use a full URL such as https://HOST/PATH")
     if any(ch.isspace() for ch in url):
         raise ConfigError(key, "contains whitespace (the value is not shown: it is a secret)")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in url):
+        raise ConfigError(key, "contains a control character (the value is not shown: it is a secret)")
+    if not url.isascii():
+        raise ConfigError(key, "contains non-ASCII characters; percent-encode them (%XX)")
+    if "@" in parts.netloc:
+        raise ConfigError(
+            key,
+            "carries a user name or password (user:password@host): they would show in error texts; "
+            "use a URL with the token in its path, passed through webhook_url_file or webhook_url_env",
+        )
 
 
 def _check_fault_source(source: Any) -> None:

@@ -253,9 +253,9 @@ def start_monitor(
         say(f"GPU health monitor off: {why_off}")
         return monitor
     sender = None
-    if config.webhook_url:
+    if url := config.webhook_target():
         sender = WebhookSender(
-            config.webhook_url,
+            url,
             kind=config.webhook_type,
             timeout_s=config.webhook_timeout_s,
             retries=config.webhook_retries,

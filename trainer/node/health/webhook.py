@@ -2,7 +2,9 @@
 
 Delivery never blocks the caller: `send` only queues. Each attempt has a timeout; failed attempts
 (connection refused, timeout, HTTP 429/5xx) are retried with a capped exponential backoff. The URL
-carries the webhook's token, so it is never logged, printed or put in an exception message.
+carries the webhook's token, so it is never logged, printed or put in an exception message: a failed
+attempt is reported by the error's type only (an exception's text can quote the URL, e.g.
+http.client.InvalidURL), and no exception ever leaves the sender's thread.
 """
 
 from __future__ import annotations
@@ -130,7 +132,11 @@ class WebhookSender:
     def _run(self) -> None:
         while True:
             payload = self._queue.get()
-            self._deliver(payload)
+            try:
+                self._deliver(payload)
+            except Exception as exc:  # the thread must outlive any payload; the text may hold the URL
+                self.failed += 1
+                log.warning("%s webhook not delivered: %s", EVENT_GPU_FAULT, type(exc).__name__)
             with self._lock:
                 if self._queue.empty():
                     self._idle.set()
@@ -154,29 +160,31 @@ class WebhookSender:
 
     def _attempt(self, body: bytes) -> tuple[str | None, bool]:
         """One POST. Returns (None, _) on success, else (reason without the URL, worth retrying)."""
-        request = urllib.request.Request(
-            self.__url,
-            data=body,
-            method="POST",
-            headers={"Content-Type": "application/json", "User-Agent": "clustertrain-health"},
-        )
         try:
+            request = urllib.request.Request(
+                self.__url,
+                data=body,
+                method="POST",
+                headers={"Content-Type": "application/json", "User-Agent": "clustertrain-health"},
+            )
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 response.read(65536)
                 return None, False
         except urllib.error.HTTPError as exc:
             return f"HTTP {exc.code}", exc.code == 429 or exc.code >= 500
         except urllib.error.URLError as exc:
-            return _reason(exc.reason), True
+            return f"URLError ({_reason(exc.reason)})", True
         except (TimeoutError, OSError) as exc:
             return _reason(exc), True
+        except Exception as exc:  # e.g. http.client.InvalidURL: retrying cannot help
+            return _reason(exc), False
 
     def _scrub(self, text: str) -> str:
         return text.replace(self.__url, REDACTED)
 
 
 def _reason(reason: Any) -> str:
-    # Exception texts here name the peer (errno, "timed out"), not the URL; keep only type and text.
+    """The error's type only: some exception texts quote the URL (http.client.InvalidURL does)."""
     if isinstance(reason, BaseException):
-        return f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
-    return str(reason)
+        return type(reason).__name__
+    return "no reason given" if not isinstance(reason, str) else "URL error"
