@@ -18,20 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 from finetune_harness import generate
-from test_launch_testbed import INVENTORY, STATUS, group_vars, launch, run_launch
+from test_launch_testbed import BED_UP, INVENTORY, group_vars, launch, run_launch
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = ("ct-head", "ct-worker1")
 MASTER_PORT = 29543  # its own, so the launch and preflight tests never collide with it
 
-pytestmark = [
-    pytest.mark.testbed,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (STATUS.exists() and STATUS.read_text().startswith("up")),
-        reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
-    ),
-]
+pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
 
 
 @pytest.fixture

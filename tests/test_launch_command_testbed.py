@@ -20,21 +20,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_launch_testbed import ENV, HOSTS, INVENTORY, STATUS, group_vars, run_launch
+from test_launch_testbed import BED_UP, ENV, HOSTS, INVENTORY, group_vars, run_launch
 
 OWN_COMMAND = Path(__file__).resolve().parent / "own_command"
 #: A master port of its own (test_launch_testbed uses 29541, preflight's tests others).
 MASTER_PORT = 29543
 SECRET = "testbed-secret-5d2e"
 
-pytestmark = [
-    pytest.mark.testbed,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (STATUS.exists() and STATUS.read_text().startswith("up")),
-        reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
-    ),
-]
+pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
 
 
 @pytest.fixture

@@ -26,14 +26,13 @@ HOSTS = ("ct-head", "ct-worker1", "ct-worker2")
 #: A master port of its own, inside the firewall's comm range, so preflight's tests never collide.
 MASTER_PORT = 29541
 
-pytestmark = [
-    pytest.mark.testbed,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (STATUS.exists() and STATUS.read_text().startswith("up")),
-        reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
-    ),
-]
+#: Skips a test-bed test unless the bed is up (scripts/testbed/run-scenario.sh writes the status).
+BED_UP = pytest.mark.skipif(
+    not (STATUS.exists() and STATUS.read_text().startswith("up")),
+    reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
+)
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
 
 
 def group_vars() -> dict:

@@ -10,7 +10,6 @@ of any later play runs on the three bed hosts.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -18,11 +17,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_launch_testbed import BED_UP, ENV, INVENTORY
 
 REPO = Path(__file__).resolve().parents[1]
-INVENTORY = REPO / "molecule" / "default" / "inventory"
-STATUS = Path("/tmp/clustertrain-testbed.status")
-ENV = {**os.environ, "CONTAINERS_CONF": str(REPO / "scripts" / "testbed" / "containers.conf")}
 FAKE = "ct-rocky"
 IMAGE = "localhost/clustertrain-base:bookworm"
 ROCKY_OS_RELEASE = """NAME="Rocky Linux"
@@ -34,13 +31,7 @@ PLATFORM_ID="platform:el9"
 PRETTY_NAME="Rocky Linux 9.4 (Blue Onyx)"
 """
 
-pytestmark = [
-    pytest.mark.testbed,
-    pytest.mark.skipif(
-        not (STATUS.exists() and STATUS.read_text().startswith("up")),
-        reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
-    ),
-]
+pytestmark = [pytest.mark.testbed, BED_UP]
 
 
 def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
