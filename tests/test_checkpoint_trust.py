@@ -90,9 +90,14 @@ def test_a_file_of_another_account_or_a_link_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_refuses_a_planted_pickle_and_a_writable_file_then_resumes(run_trainer, tmp_path):
+def test_a_run_is_private_and_resume_refuses_a_planted_pickle_or_a_writable_file(run_trainer, tmp_path):
+    login_umask = os.umask(0o022)  # a common login umask: the run narrows it
     first = run_trainer(*TINY, launcher="none")
     assert first.returncode == 0, first.stderr[-3000:]
+    written = [first.output_dir, *first.output_dir.rglob("*")]
+    assert any(p.name == "metrics.jsonl" for p in written) and any(p.suffix == ".pt" for p in written)
+    open_to_others = [f"{p} {p.stat().st_mode & 0o777:04o}" for p in written if p.stat().st_mode & 0o007]
+    assert open_to_others == [], "a run's files are for the training account and its group only (umask 027)"
     step = first.output_dir / "checkpoints" / "step-3"
     rng = step / "rng-rank0.pt"
     assert rng.is_file()
@@ -124,3 +129,4 @@ def test_resume_refuses_a_planted_pickle_and_a_writable_file_then_resumes(run_tr
     resumed = run_trainer(*TINY, "train.max_steps=4", launcher="none")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and resumed.summary["steps_this_run"] == 1
+    os.umask(login_umask)

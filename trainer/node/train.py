@@ -57,7 +57,14 @@ def _error(message: str) -> None:
         print(f"trainer: {message}", file=sys.stderr, flush=True)
 
 
+#: Everything a run writes (checkpoints, metrics, logs, the final model) is the training account's and
+#: its group's to read, nobody else's: the shared dir is reachable by every local account on every node.
+RUN_UMASK = 0o027
+
+
 def run(args: argparse.Namespace) -> int:
+    # Narrow, never widen: a stricter umask the user chose (077) stays.
+    os.umask(os.umask(RUN_UMASK) | RUN_UMASK)
     from trainer.node.accelerators import AcceleratorMismatch, check_visible_gpus
     from trainer.node.config import ConfigError, dump_config, load_config
     from trainer.node.data import DataError, read_text, required_repeats
@@ -72,6 +79,17 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         config.health.webhook_target()  # a webhook file or variable is the node's: checked here
         world_size = world_size_from_env()
+        if config.distributed.deepspeed_config:  # the user's DeepSpeed JSON: refused here, on every rank
+            from trainer.node.engines.ds_json import load_user_config, merge_user_config
+
+            merge_user_config(
+                load_user_config(config.distributed.deepspeed_config),
+                config.distributed.deepspeed_config,
+                train=config.train,
+                distributed=config.distributed,
+                world_size=world_size,
+                bf16=None,
+            )
         if not args.dry_run:
             check_visible_gpus()
         corpus = None
