@@ -42,6 +42,14 @@ LAST_LINES = 40
 
 FINAL_STATES = ("done", "failed", "stopped", "unreachable")
 STATE_STYLES = {"failed": "red", "unreachable": "red", "done": "green", "stopped": "yellow"}
+#: C0 controls but tab, DEL and C1 controls (a lone 0x9b is a CSI on some terminals): shown as \xNN.
+_CONTROLS = {code: f"\\x{code:02x}" for code in [*range(0x09), *range(0x0A, 0x20), *range(0x7F, 0xA0)]}
+
+
+def printable(text: str) -> str:
+    """Remote output with its control characters spelled out: an ESC sequence in a rank's log cannot
+    clear the operator's screen, move the cursor or fake lines (a carriage return included)."""
+    return text.translate(_CONTROLS)
 
 
 @dataclass
@@ -136,6 +144,7 @@ class LiveView:
         return table
 
     def log(self, line: str) -> None:
+        line = printable(line)  # a node's output never drives the operator's terminal
         self._guard(self.console.print, line, markup=False, highlight=False, soft_wrap=True)
 
     def message(self, text: str) -> None:
@@ -237,13 +246,14 @@ class JobMonitor:
         """Ansible could not reach `host` at all (a start step)."""
         hs = self.hosts.get(host)
         if hs is not None and not hs.final:
-            hs.state, hs.detail = "unreachable", message.strip().splitlines()[0][:200] if message else ""
+            first_line = message.strip().splitlines()[0][:200] if message.strip() else ""
+            hs.state, hs.detail = "unreachable", printable(first_line)
             self._note_failure()
             self.view.states(self.ordered)
 
     def apply(self, hs: HostState, report: dict[str, Any]) -> None:
         """Take one node_ctl.py report (status or stop) into the host's state."""
-        lines = report.get("lines") or []
+        lines = [printable(str(line)) for line in report.get("lines") or []]
         hs.add_lines(lines)
         if lines:
             hs.last_output_at = time.monotonic()
