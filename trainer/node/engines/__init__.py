@@ -41,8 +41,18 @@ class DistributedConfig:
     """Collective backend; auto = nccl with GPUs, gloo on the CPU."""
     timeout_s: int = 1800
     """How long a collective waits for the slowest rank before the run fails."""
+    deepspeed_config: str = ""
+    """Your own DeepSpeed JSON (deepspeed only), e.g. the Qwen guide's ds_config_zero2.json: offload,
+    bucket sizes, overlap_comm as you write them; "auto" values take the trainer's (batch sizes,
+    accumulation, clipping, bf16, zero stage); a value that disagrees with the trainer's is refused.
+    '' = built from the keys above. What ran is written to OUTPUT_DIR/ds_config.json."""
 
     def __post_init__(self) -> None:
+        require(
+            not self.deepspeed_config or self.engine == "deepspeed",
+            "deepspeed_config",
+            f"applies to distributed.engine=deepspeed only (engine is {self.engine})",
+        )
         require(self.zero_stage in (1, 2, 3), "zero_stage", f"must be 1, 2 or 3 (got {self.zero_stage})")
         require(self.timeout_s >= 10, "timeout_s", f"must be at least 10 seconds (got {self.timeout_s})")
 

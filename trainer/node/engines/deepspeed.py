@@ -22,6 +22,18 @@ CHECKPOINT_TAG = "deepspeed"
 
 
 def deepspeed_config(train, distributed, world_size: int, bf16: bool) -> dict[str, Any]:
+    if distributed.deepspeed_config:  # the user's own JSON, "auto" values filled (ds_json)
+        from trainer.node.engines.ds_json import load_user_config, merge_user_config
+
+        user = load_user_config(distributed.deepspeed_config)
+        return merge_user_config(
+            user,
+            distributed.deepspeed_config,
+            train=train,
+            distributed=distributed,
+            world_size=world_size,
+            bf16=bf16,
+        )
     return {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
