@@ -98,6 +98,7 @@ def load_host_vars(inventory: str | os.PathLike[str]) -> tuple[dict[str, list[st
         access.vault_secrets(loader)
     except access.AccessError as err:
         raise InventoryError(str(err)) from None
+    _check_yaml_syntax(loader, inventory)
     manager = InventoryManager(loader=loader, sources=[str(inventory)])
     variables = VariableManager(loader=loader, inventory=manager)
     groups = {name: [h.name for h in group.get_hosts()] for name, group in manager.groups.items()}
@@ -123,6 +124,46 @@ def load_host_vars(inventory: str | os.PathLike[str]) -> tuple[dict[str, list[st
             )
         )
     return groups, rendered
+
+
+#: Files Ansible reads as YAML in an inventory (the yaml plugin's extensions; group_vars, host_vars).
+YAML_SUFFIXES = (".yml", ".yaml", ".json")
+
+
+def _check_yaml_syntax(loader: Any, inventory: Path) -> None:
+    """InventoryError at the first YAML file that does not parse, with its line and the parser's
+    reason. Ansible only warns about such a file and goes on without it, which leaves a confusing
+    error later ("found 0 heads") and the cause in a warning."""
+    from ansible.errors import AnsibleError
+
+    if inventory.is_dir():
+        candidates = sorted(
+            path
+            for path in inventory.rglob("*")
+            if path.suffix in YAML_SUFFIXES
+            and path.is_file()
+            and not any(part.startswith(".") for part in path.relative_to(inventory).parts)
+        )
+    else:
+        candidates = [inventory] if inventory.suffix in YAML_SUFFIXES else []
+    for path in candidates:
+        try:
+            loader.load_from_file(str(path), cache="none")  # the cache would keep this untrusted copy
+        except AnsibleError as err:
+            origin = getattr(err, "obj", None)
+            where = str(path)
+            if getattr(origin, "line_num", None):
+                where += f", line {origin.line_num}, column {origin.col_num}"
+            cause = err.__cause__
+            reason = " ".join(
+                str(text)
+                for text in (getattr(cause, "problem", None), getattr(cause, "context", None))
+                if text
+            )
+            raise InventoryError(
+                f"inventory {where}: not valid YAML: {reason or err.message}; fix the file (Ansible would "
+                "skip it with a warning)"
+            ) from None
 
 
 def load_cluster(inventory: str | os.PathLike[str]) -> Cluster:

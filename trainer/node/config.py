@@ -304,9 +304,15 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     """Read YAML (default: the embedded default), apply `key=value` overrides, validate everything."""
     source = Path(path) if path else DEFAULT_CONFIG
     try:
-        text = source.read_text()
+        text = source.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError("--config", f"cannot read {source}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            "--config",
+            f"{source} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start}); "
+            "save it as UTF-8",
+        ) from None
     try:
         tree = yaml.safe_load(text)
     except yaml.YAMLError as err:

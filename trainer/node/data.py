@@ -123,13 +123,21 @@ def load_corpus(config: DataConfig) -> Corpus:
     vocab = "".join(sorted(set(text)))
     lookup = {ch: i for i, ch in enumerate(vocab)}
     ids = torch.tensor([lookup[ch] for ch in text], dtype=torch.long)
-    corpus = Corpus(vocab=vocab, ids=ids, block_size=config.block_size)
-    if corpus.num_samples < 1:
-        raise DataError(
-            f"data.path: the text has {len(text)} characters, fewer than one sample of "
-            f"data.block_size + 1 = {config.block_size + 1}; use a longer text or a smaller data.block_size"
+    count_samples(len(text), config.block_size)
+    return Corpus(vocab=vocab, ids=ids, block_size=config.block_size)
+
+
+def count_samples(characters: int, block_size: int) -> int:
+    """The samples a text of `characters` holds (as Corpus.num_samples); ConfigError if not one: the
+    same answer for `--dry-run` (which counts without building the corpus) and a real run."""
+    samples = (characters - 1) // block_size
+    if samples < 1:
+        raise ConfigError(
+            "data.block_size",
+            f"{block_size} is too large for the text of data.path ({characters} characters): one sample "
+            f"needs data.block_size + 1 = {block_size + 1}; use a smaller data.block_size or a longer text",
         )
-    return corpus
+    return samples
 
 
 def required_repeats(

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     os.umask(os.umask(RUN_UMASK) | RUN_UMASK)
     from trainer.node.accelerators import AcceleratorMismatch, check_visible_gpus
     from trainer.node.config import ConfigError, dump_config, load_config
-    from trainer.node.data import DataError, read_text, required_repeats
+    from trainer.node.data import DataError, count_samples, read_text, required_repeats
     from trainer.node.distributed import world_size_from_env
 
     if args.help_config:
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             corpus = FineTune.prepare(config, world_size)
             samples = corpus.num_samples
         elif args.dry_run:
-            samples = (len(read_text(config.data.path)) - 1) // config.data.block_size
+            samples = count_samples(len(read_text(config.data.path)), config.data.block_size)
         else:
             from trainer.node.data import load_corpus
 
