@@ -15,6 +15,7 @@ exits 130.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -178,22 +179,28 @@ def _run(args: argparse.Namespace, reports: list[Report]) -> int:
 
     token = secrets.token_hex(8)
     job_started: list[float] = []
-    # A TERM (a CI job's timeout, a supervisor) stops preflight the way Ctrl-C does.
-    previous_term = signal.signal(signal.SIGTERM, _interrupt)
+    # TERM (a CI job's timeout, a supervisor) and HUP (the terminal closed) stop preflight the way
+    # Ctrl-C does.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         code = _checks(cluster, checks, args, report, token, job_started)
     except KeyboardInterrupt:
-        _clean_after_interrupt(cluster, token, job_started)
+        left = _clean_after_interrupt(cluster, token, job_started)
         report.duration_s = time.monotonic() - started
         report.add([Result("preflight", "cluster", FAIL, "interrupted: stopped before the end")])
         report.write(args.report)
-        print(
-            f"preflight interrupted after {report.duration_s:.1f} s; nothing of it is left running",
-            flush=True,
+        _say(
+            f"preflight interrupted after {report.duration_s:.1f} s; "
+            + (
+                f"could not clean up on {left}: run it again there"
+                if left
+                else "nothing of it is left running"
+            )
         )
         return INTERRUPTED
     finally:
-        signal.signal(signal.SIGTERM, previous_term)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if code is not None:
         return code
 
@@ -276,19 +283,27 @@ def _deepspeed(cluster, args, report: Report, token: str, job_started: list[floa
     return results
 
 
-def _clean_after_interrupt(cluster, token: str, job_started: list[float]) -> None:
-    """Ctrl-C again must not cut the cleanup short (it would leave processes behind)."""
+def _say(line: str) -> None:
+    """A line that must not stop a cleanup when the terminal is gone (after SIGHUP)."""
+    with contextlib.suppress(OSError):
+        print(line, flush=True)
+
+
+def _clean_after_interrupt(cluster, token: str, job_started: list[float]) -> str:
+    """End what preflight left on the nodes; the hosts it could not clean ('' when none). Ctrl-C
+    again must not cut it short (it would leave processes behind)."""
     from trainer.controller.preflight import probe
 
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
     try:
-        print("preflight: interrupted: cleaning up on every node (wait for it) ...", flush=True)
-        print(
-            f"preflight: {probe.cleanup(cluster, token, job_started[0] if job_started else None)}", flush=True
-        )
+        _say("preflight: interrupted: cleaning up on every node (wait for it) ...")
+        summary = probe.cleanup(cluster, token, job_started[0] if job_started else None)
+        _say(f"preflight: clean-up: {summary}")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return summary.partition("(could not clean up on ")[2].rstrip(")")
 
 
 def _progress():

@@ -491,6 +491,29 @@ def probe(request: dict) -> dict:
 # --- the start ----------------------------------------------------------------------------------
 
 
+def stale_extension_locks() -> list[str]:
+    """A torch extension build (DeepSpeed's ops) killed midway leaves a lock no process holds; every
+    DeepSpeed start on this node would then wait on it forever, with no output. Checked as the
+    training user (start runs as it), so its own processes and cache dir are what is looked at:
+    each stale lock's file and fix (trainer.torch_extensions, preflight's deepspeed_ops check)."""
+    import site
+    import socket
+
+    # This helper runs with `python -S`; the check needs the venv's site-packages: the trainer
+    # package, and trainer_env's .pth that sets TORCH_EXTENSIONS_DIR (once per start, not per poll).
+    site.main()
+    try:
+        from trainer.torch_extensions import check as extensions_check
+        from trainer.torch_extensions import stale_lock_fix
+    except ImportError:  # a node venv older than the check
+        return []
+    host = socket.gethostname()
+    return [
+        f"stale build lock {lock['path']} (no process holds it): {stale_lock_fix(lock, host)}"
+        for lock in extensions_check()["stale"]
+    ]
+
+
 def start(request: dict, program: str) -> dict:
     """Keep the previous launch's log, clear its state, write the run's files (the head gets them),
     the node's secret variables, run.sh, launch.json and this helper; then start run.sh detached
@@ -499,6 +522,8 @@ def start(request: dict, program: str) -> dict:
     import shutil
     import subprocess
 
+    if stale := stale_extension_locks():
+        raise Failure("; ".join(stale))
     node_dir = Path(request["node_dir"])
     launch_dir = Path(request["launch_dir"])
     node_dir.mkdir(parents=True, exist_ok=True)
