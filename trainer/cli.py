@@ -23,6 +23,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "trainer.controller.launcher.launch",
         "start the trainer, or your own command, on every host of an inventory",
     ),
+    "status": (
+        "trainer.controller.launcher.status",
+        "where a launch stands on every host: state, step, last log lines; changes nothing",
+    ),
+    "attach": (
+        "trainer.controller.launcher.attach",
+        "follow a running launch again (after its launcher died) to its end",
+    ),
     "sbatch": (
         "trainer.controller.launcher.sbatch",
         "write the same job as a Slurm (or PBS) batch script; contacts and starts nothing",

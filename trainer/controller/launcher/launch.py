@@ -42,7 +42,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from trainer import exitcodes
-from trainer.controller.inventory import InventoryError, load_cluster
+from trainer.controller.access import configure_access
+from trainer.controller.inventory import Cluster, InventoryError, load_cluster
 from trainer.controller.launcher.launchfiles import launch_files
 from trainer.controller.launcher.live import JobMonitor, LiveView, describe
 from trainer.controller.launcher.plan import (
@@ -51,7 +52,6 @@ from trainer.controller.launcher.plan import (
     PlanError,
     add_job_arguments,
     make_plan,
-    plan_from_args,
 )
 from trainer.controller.launcher.runscript import node_dir, run_script
 from trainer.controller.launcher.topology import AUTO_IFNAME, TopologyError
@@ -67,8 +67,6 @@ STATUS_TASK = "Read the node's state"
 INTERRUPTED = 130
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
 TAKES_COMMAND = True
-#: Seconds a probe, check or whoami may take on a node before it counts as no answer.
-COMMAND_TIMEOUT_S = 60
 #: The bundled trainer's default --stall-timeout (a user's command has none unless given).
 BUNDLED_STALL_TIMEOUT_S = 600.0
 #: Exit codes of the bundled trainer that a restart would only repeat (config, data).
@@ -88,6 +86,12 @@ class WatchOptions:
     def status_timeout_s(self) -> float:
         """How long one poll may go unanswered before it counts as missed (beyond its own wait)."""
         return min(30.0, max(5.0, self.unreachable_grace_s / 3))
+
+    @property
+    def command_timeout_s(self) -> float:
+        """How long a probe, check, start or stop may take on a node (beyond a stop's grace): a node
+        that takes longer is named as not answering, and the launch goes on without waiting for it."""
+        return min(60.0, max(10.0, self.unreachable_grace_s / 2))
 
 
 @dataclass
@@ -141,6 +145,7 @@ class Launcher:
             "run_name": plan.run_name,
             "attempt": self.attempt_number,
             "bundled_trainer": plan.runs_bundled_trainer,
+            "command": list(plan.user_command),
             "head": plan.topology.head.host,
             "nodes": {n.host: n.node_rank for n in plan.topology.nodes},
             "gpus_per_node": plan.topology.gpus_per_node,
@@ -194,7 +199,7 @@ class Launcher:
             "launch_info": {},
             "launch_record": {},
             "launch_become_hosts": self.become,
-            "launch_command_timeout_s": COMMAND_TIMEOUT_S,
+            "launch_command_timeout_s": options.command_timeout_s,
             "launch_poll_s": options.poll_interval_s,
             "launch_status_timeout_s": options.status_timeout_s,
             # A safety net only: the launcher fails the node after the grace and cancels the watch.
@@ -267,10 +272,12 @@ class Launcher:
             ranks={n.host: n.global_ranks(topo.gpus_per_node) for n in topo.nodes},
         )
 
-    def attempt(self, view: LiveView, record: dict[str, Any]) -> Outcome:
-        """Start the job on every node and follow it until it ends, fails or stalls."""
+    def attempt(self, view: LiveView, record: dict[str, Any], *, attach: bool = False) -> Outcome:
+        """Start the job on every node and follow it until it ends, fails or stalls; with `attach`,
+        follow the launch that is already running (`trainer attach`)."""
         plan, topo = self.plan, self.plan.topology
-        self.attempt_number += 1
+        if not attach:
+            self.attempt_number += 1
         monitor = self.monitor(view)
         view.states(monitor.ordered)
         probes: dict[str, dict[str, Any]] = {}
@@ -281,7 +288,12 @@ class Launcher:
         def on_event(event: dict[str, Any]) -> None:
             name, data = event.get("event", ""), event.get("event_data", {})
             task, host, res = data.get("task"), data.get("host"), data.get("res") or {}
-            if name == "playbook_on_task_start" and task == WATCH_TASK and topo.nccl_ib_disable == IB_AUTO:
+            if (
+                name == "playbook_on_task_start"
+                and task == WATCH_TASK
+                and topo.nccl_ib_disable == IB_AUTO
+                and not attach
+            ):
                 every = all(probes.get(h, {}).get("ib_devices") for h in self.hosts)
                 view.message(
                     f"NCCL_IB_DISABLE auto: {0 if every else 1} ("
@@ -294,6 +306,10 @@ class Launcher:
                     + ")"
                 )
             if task == WATCH_TASK or host not in monitor.hosts:
+                return
+            if attach:
+                if name == "runner_on_unreachable":
+                    monitor.on_unreachable(host, str(res.get("msg") or "unreachable"))
                 return
             if name == "runner_on_ok" and task == PROBE_TASK:
                 probes[host] = res
@@ -318,22 +334,29 @@ class Launcher:
                 cancel.set()
 
         what = f"engine {plan.engine}" if plan.runs_bundled_trainer else "your command"
-        view.message(
-            f"Launching run [bold]{plan.run_name}[/bold] on {topo.nnodes} node(s) × {topo.gpus_per_node} "
-            f"process(es) (world size {topo.world_size}, {what}, master "
-            f"{topo.master_addr}:{topo.master_port}); output in {plan.output_dir}, each node's log "
-            f"in {plan.launch_dir}/node-N/log"
-        )
-        extravars = self.extravars(
-            launch_files=self.files,
-            launch_info=self.info(),
-            launch_record={**record, "launch_id": self.launch_id, "attempt": self.attempt_number},
-        )
+        if attach:
+            view.message(
+                f"Following run [bold]{plan.run_name}[/bold] (launch {self.launch_id}) on {topo.nnodes} "
+                f"node(s); each node's log in {plan.launch_dir}/node-N/log"
+            )
+            extravars = self.extravars()
+        else:
+            view.message(
+                f"Launching run [bold]{plan.run_name}[/bold] on {topo.nnodes} node(s) × {topo.gpus_per_node} "
+                f"process(es) (world size {topo.world_size}, {what}, master "
+                f"{topo.master_addr}:{topo.master_port}); output in {plan.output_dir}, each node's log "
+                f"in {plan.launch_dir}/node-N/log"
+            )
+            extravars = self.extravars(
+                launch_files=self.files,
+                launch_info=self.info(),
+                launch_record={**record, "launch_id": self.launch_id, "attempt": self.attempt_number},
+            )
         interrupted = False
         with view:
             try:
                 result = self._run(
-                    "start.yml",
+                    "watch.yml" if attach else "start.yml",
                     extravars,
                     on_event=on_event,
                     on_message=on_message,
@@ -737,16 +760,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def replanner(args: argparse.Namespace, plan: JobPlan) -> Callable[[set[str], list[str]], JobPlan]:
+def replanner(args: argparse.Namespace, cluster: Cluster) -> Callable[[set[str], list[str]], JobPlan]:
     """make_plan again, from the same command line, without some hosts and with more --set."""
 
     def replan(excluded: set[str], extra: list[str]) -> JobPlan:
-        cluster = load_cluster(plan.topology.inventory)
-        cluster = dataclasses.replace(
-            cluster, workers=tuple(h for h in cluster.workers if h.name not in excluded)
-        )
         return make_plan(
-            cluster,
+            dataclasses.replace(cluster, workers=tuple(h for h in cluster.workers if h.name not in excluded)),
             args.config,
             (*args.overrides, *extra),
             args.engine,
@@ -760,7 +779,10 @@ def replanner(args: argparse.Namespace, plan: JobPlan) -> Callable[[set[str], li
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = plan_from_args(args)
+        configure_access(args)  # sudo/vault passwords (trainer.controller.access)
+        # Loaded once: a restart that leaves a node out plans again from the same inventory.
+        cluster = load_cluster(args.inventory)
+        plan = replanner(args, cluster)(set(), [])
     except (InventoryError, TopologyError, PlanError) as err:
         print(f"trainer launch: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
@@ -787,7 +809,7 @@ def run(args: argparse.Namespace) -> int:
             view.log(f"[{host}] {state}")
         return exitcodes.OK if result.succeeded else exitcodes.FAILURE
     install_signal_handlers(view)
-    return launcher.launch(view, args.max_restarts, args.exclude_failed, replanner(args, plan))
+    return launcher.launch(view, args.max_restarts, args.exclude_failed, replanner(args, cluster))
 
 
 def install_signal_handlers(view: LiveView) -> None:

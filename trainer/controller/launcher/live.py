@@ -193,7 +193,8 @@ class JobMonitor:
 
     `unreachable_grace_s`: a host that misses polls for longer is failed (its trainer may live on);
     `stall_timeout_s` (None: off): no rank advancing a step (`progress_from_steps`, the bundled
-    trainer) or no node printing a line (a user's command) for that long is a stall."""
+    trainer: counted from its first rank's record) or no node printing a line (a user's command)
+    for that long is a stall."""
 
     def __init__(
         self,
@@ -219,6 +220,9 @@ class JobMonitor:
         self.stall: Stall | None = None
         self.last_progress_at = time.monotonic()
         self._progress_key: tuple = ()
+        # The bundled trainer's watchdog starts with its first rank's progress record (written once
+        # the process group is up): loading a model or building DeepSpeed ops may take long before.
+        self.watchdog_armed = not progress_from_steps
 
     @property
     def ordered(self) -> list[HostState]:
@@ -270,6 +274,7 @@ class JobMonitor:
             if key != self._progress_key:
                 self._progress_key = key
                 self.last_progress_at = time.monotonic()
+                self.watchdog_armed = bool(key)
         if hs.host == self.rank0_host:
             for line in lines:
                 self.view.log(line)
@@ -321,6 +326,7 @@ class JobMonitor:
         silent = time.monotonic() - self.last_progress_at
         if (
             self.stall_timeout_s
+            and self.watchdog_armed
             and self.stall is None
             and not self.failed
             and silent > self.stall_timeout_s

@@ -23,6 +23,7 @@ node's trainer has ended, with the last report as its result.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shlex
@@ -36,13 +37,30 @@ from ansible.errors import AnsibleConnectionFailure, AnsibleError
 from ansible.plugins.action import ActionBase
 
 NODE_PROGRAM = (Path(__file__).resolve().parent.parent / "templates" / "node_ctl.py").read_text()
+#: Names the compiled helper a node keeps in its node dir (a poll then skips compiling it).
+NODE_PROGRAM_DIGEST = hashlib.sha256(NODE_PROGRAM.encode()).hexdigest()[:16]
 #: Reads the request (with the helper's text) from stdin and hands it to node_ctl.serve. The helper
 #: needs only the standard library: `-S` skips site-packages (their .pth files cost more than the
-#: rest of a status poll).
-BOOTSTRAP = (
-    "import json, sys; request = json.loads(sys.stdin.read()); scope = {'__name__': 'node_ctl'}; "
-    "exec(compile(request['program'], 'node_ctl.py', 'exec'), scope); sys.exit(scope['serve'](request))"
-)
+#: rest of a status poll). With `code_cache`, the compiled helper is kept there, per Python version.
+BOOTSTRAP = """import json, marshal, os, sys
+request = json.loads(sys.stdin.read())
+cache = request.get('code_cache') and '%s.%x' % (request['code_cache'], sys.hexversion)
+try:
+    with open(cache, 'rb') as handle:
+        code = marshal.loads(handle.read())
+except Exception:
+    code = compile(request['program'], 'node_ctl.py', 'exec')
+    if cache:
+        try:
+            with open(cache + '.%d' % os.getpid(), 'wb') as handle:
+                handle.write(marshal.dumps(code))
+            os.replace(cache + '.%d' % os.getpid(), cache)
+        except OSError:
+            pass
+scope = {'__name__': 'node_ctl'}
+exec(code, scope)
+sys.exit(scope['serve'](request))
+"""
 #: Interface names as the kernel allows them: safe to write into run.sh unquoted.
 IFACE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 FINAL_STATES = ("exited", "vanished", "none")
@@ -104,7 +122,7 @@ class ActionModule(ActionBase):
     # --- one call ----------------------------------------------------------------------------------
 
     def _exec(self, cmd: str, in_data: bytes | None, timeout_s: float, sudoable: bool = True) -> dict:
-        """_low_level_execute_command, waited for at most timeout_s + 10 s. A call still running after
+        """_low_level_execute_command, waited for at most timeout_s + 5 s. A call still running after
         that stays the one pending call (the next call waits for it rather than piling up another)."""
         if self._pending is None or not self._pending.is_alive():
             box: dict[str, Any] = {}
@@ -118,9 +136,9 @@ class ActionModule(ActionBase):
             self._box = box
             self._pending = threading.Thread(target=work, daemon=True)
             self._pending.start()
-        self._pending.join(timeout_s + 10)
+        self._pending.join(timeout_s + 5)
         if self._pending.is_alive():
-            raise NoAnswer(f"no answer within {timeout_s + 10:.0f} s")
+            raise NoAnswer(f"no answer within {timeout_s + 5:.0f} s")
         box, self._pending = self._box, None
         if "err" in box:
             raise box["err"]
@@ -128,6 +146,8 @@ class ActionModule(ActionBase):
 
     def _call(self, python: str, request: dict, timeout_s: float) -> dict:
         """Run node_ctl.serve(request) on the node; its JSON answer (a `failed` answer raises)."""
+        if request.get("op") in ("status", "stop", "pids") and request.get("node_dir"):
+            request = {**request, "code_cache": f"{request['node_dir']}/.node_ctl-{NODE_PROGRAM_DIGEST}"}
         payload = json.dumps({**request, "program": NODE_PROGRAM}).encode()
         cmd = f"timeout -k 5 {int(timeout_s)} {shlex.quote(python)} -S -c {shlex.quote(BOOTSTRAP)}"
         res = self._exec(cmd, payload, timeout_s)
@@ -196,7 +216,7 @@ class ActionModule(ActionBase):
                 # A long poll comes back early when there is news (the first line of a quiet log is
                 # shown at once); a chatty log still gets one poll per interval.
                 time.sleep(max(0.0, last_poll + poll_s - time.monotonic()))
-                last_poll = time.monotonic()
+                last_poll, poll_started = time.monotonic(), time.time()
                 wait = poll_s if offset is not None else 0.0
                 try:
                     report = self._call(
@@ -205,7 +225,8 @@ class ActionModule(ActionBase):
                         wait + timeout_s,
                     )
                 except (NoAnswer, NodeError, AnsibleConnectionFailure, AnsibleError) as err:
-                    first_miss = first_miss or time.time()
+                    # Unanswered since the failed poll began (a hung poll is noticed only at its timeout).
+                    first_miss = first_miss or poll_started
                     text = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
                     channel.send({"type": "miss", "host": host, "since": first_miss, "error": text})
                     if give_up_s and time.time() - first_miss > give_up_s:

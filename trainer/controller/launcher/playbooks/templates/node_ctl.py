@@ -618,6 +618,11 @@ def serve(request: dict) -> int:
         elif op == "stop":
             node_dir = Path(request["node_dir"])
             found = stacks(node_dir, request.get("venv_bin", "")) if request.get("stacks") else {}
+            if found:
+                # Kept with the node's logs: the evidence of a stall survives the relaunch.
+                write_file(
+                    node_dir / f"stacks-{_launch_id(node_dir)}.json", json.dumps(found, indent=1) + "\n"
+                )
             result = stop(node_dir, float(request.get("grace_s", 10.0)))
             result["stacks"] = found
             if request.get("output_dir"):
@@ -625,7 +630,9 @@ def serve(request: dict) -> int:
                     latest = Path(request["output_dir"]) / "checkpoints" / "latest"
                     result["latest_checkpoint"] = latest.read_text().strip()
             if request.get("record") and Path(request["launch_dir"]).is_dir():
-                record = dict(request["record"], stacks=found) if found else request["record"]
+                record = dict(request["record"])
+                if request.get("stacks"):
+                    record["stacks_in"] = f"node-N/stacks-{_launch_id(node_dir)}.json"
                 append_record(Path(request["launch_dir"]), record)
         elif op == "pids":
             node_dir = Path(request["node_dir"])

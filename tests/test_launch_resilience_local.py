@@ -1,0 +1,399 @@
+"""`trainer launch` in the real world, on two loopback "hosts" (ansible_connection local): nodes that
+stop answering for a while or for good, a rank stuck outside a collective, a killed trainer with
+--max-restarts, a node that fails twice with --exclude-failed, a closed terminal (SIGHUP), a launcher
+killed with -9 and followed again with `trainer attach`, and a watch of thousands of polls.
+
+A node that does not answer is played by node1's venv python: a wrapper that fails (exit 255, what
+ssh returns when it cannot connect) or hangs (a stalled `hard` NFS mount) while a flag file exists.
+Its torchrun and trainer are the real ones, so node1's training is untouched: only the launcher's
+calls to the node misbehave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from test_launch_local import TINY, VENV, _trainer_pids, launch_command
+from test_launch_local import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def loopback(request) -> tuple[Path, Path]:
+    """(inventory, shared dir) of two loopback hosts: test_launch_local's loopback_cluster."""
+    return request.getfixturevalue("_loopback_cluster")
+
+
+def run_env(tmp_path: Path) -> dict[str, str]:
+    """The launcher's environment: its own TMPDIR, so its private dirs can be looked at."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir(exist_ok=True)
+    return dict(os.environ, TMPDIR=str(tmp))
+
+
+def flaky_venv(tmp_path: Path, inventory: Path, mode: str) -> Path:
+    """Give node1 a venv whose python fails (mode "fail") or hangs (mode "hang") while the returned
+    flag file exists."""
+    flag = tmp_path / f"node1-{mode}"
+    venv = tmp_path / "flaky-venv"
+    (venv / "bin").mkdir(parents=True)
+    action = "exit 255" if mode == "fail" else "sleep 0.2"
+    wrapper = venv / "bin" / "python"
+    wrapper.write_text(
+        f"#!/bin/sh\nwhile [ -e {flag} ]; do {action}; done\n"
+        f'echo x >> {tmp_path / "python-calls"}\nexec {VENV / "bin" / "python"} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    for name in ("torchrun", "trainer"):
+        (venv / "bin" / name).symlink_to(VENV / "bin" / name)
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    hosts["cluster"]["children"]["workers"]["hosts"]["node1"]["training_venv"] = str(venv)
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    return flag
+
+
+def wait_for(predicate, what: str, timeout: float = 300, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"the launcher ended ({proc.returncode}) before {what}: {out}")
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
+    return value
+
+
+def history(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "launch" / "history.jsonl").read_text().splitlines()]
+
+
+def test_a_node_that_stops_answering_for_less_than_the_grace_does_not_stop_the_run(loopback, tmp_path):
+    inventory, shared = loopback
+    flag = flaky_venv(tmp_path, inventory, "fail")
+    run = shared / "runs" / "blip"
+    launcher = subprocess.Popen(
+        launch_command(
+            inventory, "--run-name", "blip", "--unreachable-grace", "30", "--set", "train.max_steps=60", *TINY
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=run_env(tmp_path),
+    )
+    try:
+        wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
+        flag.touch()  # node1 stops answering: every call to it fails, as SSH does when it cannot connect
+        time.sleep(8)
+        flag.unlink()
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        flag.unlink(missing_ok=True)
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out
+    assert "[node1] node 1: unreachable (" in out, "the state line said node1 was unreachable meanwhile"
+    assert "node1 answers again after" in out, out
+    assert "[node1] node 1: done" in out and "[node0] node 0: done" in out
+    assert json.loads((run / "summary.json").read_text())["final_step"] == 60
+
+
+def test_a_node_silent_past_the_grace_stops_every_node_and_is_named(loopback, tmp_path):
+    inventory, shared = loopback
+    flag = flaky_venv(tmp_path, inventory, "hang")
+    run = shared / "runs" / "lost"
+    env = run_env(tmp_path)
+    launcher = subprocess.Popen(
+        launch_command(
+            inventory,
+            "--run-name",
+            "lost",
+            "--unreachable-grace",
+            "10",
+            "--stop-grace",
+            "2",
+            "--set",
+            "train.max_steps=2000",
+            *TINY,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
+        # node1's helper hangs from now on (a stalled shared dir): its trainer trains on.
+        flag.touch()
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    try:
+        assert launcher.returncode == 1, out
+        assert "first failure on host node1 (node 1, rank 1): unreachable (no answer for" in out, out
+        assert "could not confirm the stop on node1" in out, "the stop on a silent node has a timeout"
+        assert _trainer_pids(run / "launch" / "node-0") == [], "node0's trainer was stopped"
+        stopped = [r for r in history(run) if r["event"] == "stopped"]
+        assert stopped[-1]["why"] == "unreachable" and stopped[-1]["hosts"] == ["node1"]
+    finally:
+        flag.unlink(missing_ok=True)
+        subprocess.run(launch_command(inventory, "--run-name", "lost", "--stop"), env=env, timeout=300)
+    assert _trainer_pids(run / "launch" / "node-1") == []
+
+
+def test_a_rank_stuck_before_a_collective_stops_every_node_naming_the_rank_and_its_stack(loopback, tmp_path):
+    inventory, shared = loopback
+    done = subprocess.run(
+        launch_command(
+            inventory,
+            "--run-name",
+            "stall",
+            "--stall-timeout",
+            "30",
+            "--env",
+            "TRAINER_TEST_STALL=1:4:3600",  # rank 1 sleeps before step 4; rank 0 waits in step 4
+            "--set",
+            "train.max_steps=400",
+            *TINY,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=run_env(tmp_path),
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "stalled: no rank advanced for" in out, out
+    assert "behind: rank 1 on node1 (node 1) in step 3" in out, out
+    assert "stack of rank 1 on node1:" in out and " in started" in out, "the stuck rank's own stack"
+    run = shared / "runs" / "stall"
+    for rank in (0, 1):
+        assert _trainer_pids(run / "launch" / f"node-{rank}") == []
+    stopped = history(run)[-1]
+    assert stopped["why"] == "stall" and stopped["hosts"] == ["node1"]
+    kept = json.loads(next((run / "launch" / "node-1").glob("stacks-*.json")).read_text())
+    assert " in started" in kept["1"], "the stack is kept next to node1's log"
+
+
+def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_ends_like_an_uninterrupted_run(
+    loopback, tmp_path
+):
+    inventory, shared = loopback
+    env = run_env(tmp_path)
+    steps = ["--set", "train.max_steps=24", *TINY]
+    reference = subprocess.run(
+        launch_command(inventory, "--run-name", "straight", *steps), capture_output=True, text=True, env=env
+    )
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    run = shared / "runs" / "restarted"
+    launcher = subprocess.Popen(
+        launch_command(inventory, "--run-name", "restarted", "--max-restarts", "1", *steps),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
+        victims = wait_for(lambda: _trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=launcher)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out
+    assert "restart 1 of 1: node1 failed" in out and "relaunching from the latest checkpoint (step-" in out, (
+        out
+    )
+    summary = json.loads((run / "summary.json").read_text())
+    straight = json.loads((shared / "runs" / "straight" / "summary.json").read_text())
+    assert summary["resumed_from"], "the second launch resumed from a checkpoint"
+    assert summary["final_step"] == straight["final_step"] == 24
+    assert summary["final_loss"] == straight["final_loss"], "the same final loss as an uninterrupted run"
+    events = [r["event"] for r in history(run)]
+    assert events == ["launch", "stopped", "restart"], events
+    assert (run / "launch" / "node-1" / "log.1").exists(), "the failed launch's log is kept"
+
+
+def test_a_node_failing_twice_is_left_out_and_the_batch_is_kept(loopback, tmp_path):
+    inventory, shared = loopback
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    workers = hosts["cluster"]["children"]["workers"]["hosts"]
+    workers["node2"] = dict(workers["node1"])
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    # Rank 2's "GPU" faults at step 5 on every attempt (the trainer's test hook): node2 fails twice.
+    faults = tmp_path / "faults.jsonl"
+    faults.write_text(
+        json.dumps({"step": 5, "gpu": 0, "rank": 2, "metrics": {"ecc_uncorrectable": 3}}) + "\n"
+    )
+    done = subprocess.run(
+        launch_command(
+            inventory,
+            "--run-name",
+            "exclude",
+            "--max-restarts",
+            "2",
+            "--exclude-failed",
+            "--set",
+            "train.max_steps=8",
+            "--set",
+            "train.gradient_accumulation_steps=2",
+            "--set",
+            f"health.fault_source=file:{faults}",
+            *TINY,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=run_env(tmp_path),
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "restart 1 of 2: GPU 0 of rank 2 on node2 tripped the health check" in out, out
+    assert (
+        "node2 left out after failing twice: 3 → 2 nodes, world size 3 → 2, gradient accumulation 2 → 3 "
+        "(effective batch" in out
+    ), out
+    summary = json.loads((shared / "runs" / "exclude" / "summary.json").read_text())
+    assert summary["final_step"] == 8 and summary["world_size"] == 2
+    restarts = [r for r in history(shared / "runs" / "exclude") if r["event"] == "restart"]
+    assert [r["nodes"] for r in restarts][-1] == {"node0": 0, "node1": 1}
+
+
+def test_sighup_stops_every_node(loopback, tmp_path):
+    inventory, shared = loopback
+    run = shared / "runs" / "hup"
+    launcher = subprocess.Popen(
+        launch_command(inventory, "--run-name", "hup", "--set", "train.max_steps=400", *TINY),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=run_env(tmp_path),
+    )
+    try:
+        for line in launcher.stdout:
+            if line.startswith("step "):
+                launcher.send_signal(signal.SIGHUP)  # the terminal closed
+                break
+        launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130
+    for rank in (0, 1):
+        assert _trainer_pids(run / "launch" / f"node-{rank}") == []
+    assert history(run)[-1]["why"] == "interrupted"
+    assert not list((tmp_path / "tmpdir").glob("clustertrain-runner-*")), "the private dirs were removed"
+
+
+def test_attach_follows_a_launch_whose_launcher_was_killed(loopback, tmp_path):
+    inventory, shared = loopback
+    env = run_env(tmp_path)
+    run = shared / "runs" / "orphan"
+    launcher = subprocess.Popen(
+        launch_command(inventory, "--run-name", "orphan", "--set", "train.max_steps=150", *TINY),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
+    finally:
+        launcher.kill()  # -9: nothing of the launcher runs any more
+        launcher.wait()
+    status = subprocess.run(
+        [sys.executable, "-m", "trainer", "status", "-i", str(inventory), "--run-name", "orphan"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "[node0] node 0: running" in status.stdout and "[node1] node 1: running" in status.stdout
+    assert "launch orphan-" in status.stdout
+    attach = subprocess.run(
+        [sys.executable, "-m", "trainer", "attach", "-i", str(inventory), "--run-name", "orphan"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    out = attach.stdout + attach.stderr
+    assert attach.returncode == 0, out
+    assert "step 150/150" in out and "done: run orphan finished on all 2 node(s)" in out, out
+    assert json.loads((run / "summary.json").read_text())["final_step"] == 150
+    # The killed launcher's private dir (the run's files and secrets) was removed by a later run.
+    assert not list((tmp_path / "tmpdir").glob("clustertrain-runner-*"))
+
+
+def _tree_rss_kb(pid: int) -> int:
+    """Resident memory of a process and all its descendants (the launcher, ansible-playbook, ...)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        try:
+            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+def test_a_long_watch_writes_no_event_files_and_keeps_flat_memory(loopback, tmp_path):
+    inventory, shared = loopback
+    shared.mkdir()  # the command's working dir (training_workdir's default)
+    flaky_venv(tmp_path, inventory, "fail")  # counts the calls to the nodes (the flag never exists)
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    node1 = hosts["cluster"]["children"]["workers"]["hosts"]["node1"]
+    hosts["cluster"]["children"]["head"]["hosts"]["node0"]["training_venv"] = node1["training_venv"]
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    env = run_env(tmp_path)
+    command = ["bash", "-c", "for i in $(seq 1 150); do echo line $i; sleep 1; done"]
+    launcher = subprocess.Popen(
+        [*launch_command(inventory, "--run-name", "long", "--poll-interval", "0.02"), "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    calls = tmp_path / "python-calls"
+    files, rss = [], []
+    try:
+        wait_for(lambda: calls.exists() and len(calls.read_text().split()) > 100, "100 polls", proc=launcher)
+        early = _tree_rss_kb(launcher.pid)
+        while launcher.poll() is None:
+            files.append(sum(1 for p in (tmp_path / "tmpdir").rglob("*") if p.is_file()))
+            rss.append(_tree_rss_kb(launcher.pid))
+            time.sleep(2)
+        out = launcher.stdout.read()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    polls = len(calls.read_text().split())
+    assert launcher.returncode == 0, out
+    assert polls > 800, f"only {polls} polls of the two nodes"
+    # The private dir holds its fixed files only (extravars, inventory link, command, owner, channel).
+    assert max(files) < 20, f"files under TMPDIR while watching: {files}"
+    late = max(rss[-5:])
+    assert late - early < 8 * 1024, (
+        f"the launcher's process tree grew from {early} to {late} kB over {polls} polls"
+    )

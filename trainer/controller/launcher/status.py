@@ -1,0 +1,165 @@
+"""`trainer status -i INVENTORY [--run-name NAME]`: where a launch stands, read from the nodes.
+
+Each node's state (running, exited with its code, killed, nothing started), the step its ranks are
+in (the bundled trainer), its last log lines, and what started it (`launch.json` on every node:
+launch id, attempt, the controller and launcher pid, the watch settings). Nothing on the nodes
+changes. The head is read first: after `--exclude-failed` the launch's nodes and ranks are the
+ones it recorded there, not the inventory's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from trainer import exitcodes
+from trainer.controller.access import add_access_arguments, configure_access
+from trainer.controller.inventory import InventoryError
+from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError, make_plan
+from trainer.controller.launcher.topology import TopologyError
+from trainer.controller.runner import PlaybookResult, run_playbook
+
+PLAYBOOKS = Path(__file__).parent / "playbooks"
+STATUS_TASK = "Read the node's state"
+COMMAND_TIMEOUT_S = 60
+
+
+def read_nodes(plan: JobPlan, nodes: dict[str, int], tail: int) -> PlaybookResult:
+    """status.yml on `nodes` (host -> node rank): each node's report, `tail` log lines."""
+    extravars = {
+        "launch_nodes": {
+            host: {"node_dir": f"{plan.launch_dir}/node-{rank}"} for host, rank in nodes.items()
+        },
+        "launch_training_user": plan.training_user,
+        "launch_command_timeout_s": COMMAND_TIMEOUT_S,
+        "launch_tail": tail,
+    }
+    env = {
+        "ANSIBLE_FORKS": str(max(5, len(nodes))),
+        "ANSIBLE_NOCOLOR": "True",
+        "ANSIBLE_GATHERING": "explicit",
+    }
+    return run_playbook(
+        PLAYBOOKS / "status.yml", plan.topology.inventory, extravars, env=env, limit=",".join(nodes)
+    )
+
+
+def report_of(result: PlaybookResult, host: str) -> dict[str, Any] | None:
+    item = result.task_result(host, STATUS_TASK)
+    return item.result if item is not None and item.status == "ok" else None
+
+
+def problem_of(result: PlaybookResult, host: str) -> str:
+    for items in (result.unreachable.get(host), result.failed.get(host)):
+        if items:
+            return (items[-1].message.splitlines() or [items[-1].status])[0][:200]
+    return "no answer"
+
+
+def launch_info(plan: JobPlan, tail: int = 0) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str]:
+    """(launch.json, the head's report, a problem): what the head says about the run's last launch."""
+    head = plan.topology.head
+    result = read_nodes(plan, {head.host: 0}, tail)
+    report = report_of(result, head.host)
+    if report is None:
+        return None, None, f"cannot read the head {head.host}: {problem_of(result, head.host)}"
+    if not report.get("info"):
+        return None, report, f"run {plan.run_name} has no launch on {head.host} ({plan.launch_dir})"
+    return report["info"], report, ""
+
+
+def launcher_alive(info: dict[str, Any]) -> bool:
+    """Whether the launcher that started this launch still runs (known only on its own machine)."""
+    if info.get("controller") != socket.gethostname():
+        return False
+    try:
+        command = Path(f"/proc/{int(info['launcher_pid'])}/cmdline").read_bytes()
+    except (OSError, KeyError, ValueError, TypeError):
+        return False
+    return b"trainer" in command and b"launch" in command
+
+
+def plan_for_status(args: argparse.Namespace) -> JobPlan:
+    configure_access(args)
+    return make_plan(args.inventory, run_name=args.run_name)
+
+
+def describe_report(report: dict[str, Any] | None, problem: str = "") -> str:
+    if report is None:
+        return f"unreachable ({problem})"
+    state = report.get("state")
+    if state == "exited":
+        code = (report.get("exit") or {}).get("exit_code")
+        return f"stopped (exit code {code})" if report.get("stop_requested") else f"exited (exit code {code})"
+    if state == "vanished":
+        return "stopped" if report.get("stop_requested") else "killed (gone without an exit code)"
+    if state == "none":
+        return "not started here"
+    return str(state)
+
+
+def step_of(report: dict[str, Any] | None) -> str:
+    ranks = (report or {}).get("progress") or []
+    done = [r.get("done") for r in ranks if r.get("done") is not None]
+    if not done:
+        return ""
+    return f"step {min(done)}" if min(done) == max(done) else f"steps {min(done)}-{max(done)}"
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-i", "--inventory", required=True, help="inventory directory or file")
+    parser.add_argument(
+        "--run-name", default=DEFAULT_RUN_NAME, help="the run to report on (default: %(default)s)"
+    )
+    parser.add_argument("--lines", type=int, default=5, help="last log lines per node (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the nodes' reports as JSON")
+    add_access_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_for_status(args)
+    except (InventoryError, TopologyError, PlanError) as err:
+        print(f"trainer status: {err}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    info, head_report, problem = launch_info(plan, args.lines)
+    if info is None:
+        print(f"trainer status: {problem}", file=sys.stderr)
+        return exitcodes.FAILURE
+    nodes = {str(host): int(rank) for host, rank in (info.get("nodes") or {}).items()}
+    others = {host: rank for host, rank in nodes.items() if host != plan.topology.head.host}
+    result = read_nodes(plan, others, args.lines) if others else None
+    reports = {plan.topology.head.host: head_report}
+    reports.update({host: report_of(result, host) for host in others} if result else {})
+    if args.json:
+        print(json.dumps({"info": info, "reports": reports}, indent=2))
+        return exitcodes.OK if all(reports.values()) else exitcodes.FAILURE
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info.get("launched_at") or 0)))
+    follower = f"launcher pid {info.get('launcher_pid')} on {info.get('controller')}" + (
+        " (still running)" if launcher_alive(info) else ""
+    )
+    what = "the bundled trainer" if info.get("bundled_trainer") else "your command"
+    print(
+        f"run {plan.run_name}: launch {info.get('launch_id')} (attempt {info.get('attempt', 1)}) of {what} "
+        f"on {len(nodes)} node(s), started {started} by {follower}"
+    )
+    left_out = [n.host for n in plan.topology.nodes if n.host not in nodes]
+    if left_out:
+        print(f"left out of this launch: {', '.join(left_out)}")
+    for host, rank in sorted(nodes.items(), key=lambda item: item[1]):
+        report = reports.get(host)
+        state = describe_report(report, problem_of(result, host) if result and report is None else "")
+        step = step_of(report)
+        print(f"[{host}] node {rank}: {state}" + (f", {step}" if step else ""))
+        for line in (report or {}).get("lines") or []:
+            print(f"    {line}")
+    print(
+        f"each node's full log: {PurePosixPath(plan.launch_dir)}/node-N/log; launches, restarts and stops: "
+        f"{plan.launch_dir}/history.jsonl"
+    )
+    return exitcodes.OK if all(reports.get(host) for host in nodes) else exitcodes.FAILURE
