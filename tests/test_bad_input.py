@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -54,3 +55,11 @@ def test_an_inventory_with_a_yaml_syntax_error_names_the_file_line_and_cause(tmp
     bad_vars.write_text("cluster_shared_dir: [/srv/share\n")
     assert main(["plan", "-i", str(inventory)]) == exitcodes.CONFIG_ERROR
     assert f"inventory {bad_vars}, line " in capsys.readouterr().err
+
+
+def test_running_the_command_in_process_leaves_the_callers_umask_alone(capsys):
+    previous = os.umask(0o022)
+    try:
+        assert main(["train", "--dry-run", "--set", "train.max_steps=2"]) == exitcodes.OK
+    finally:
+        assert os.umask(previous) == 0o022, "trainer train's umask 027 leaked into its caller"

@@ -63,8 +63,17 @@ RUN_UMASK = 0o027
 
 
 def run(args: argparse.Namespace) -> int:
-    # Narrow, never widen: a stricter umask the user chose (077) stays.
-    os.umask(os.umask(RUN_UMASK) | RUN_UMASK)
+    # Narrow, never widen: a stricter umask the user chose (077) stays. Restored on return, for a
+    # caller that runs the command in its own process (the tests do).
+    previous = os.umask(RUN_UMASK)
+    os.umask(previous | RUN_UMASK)
+    try:
+        return _run(args)
+    finally:
+        os.umask(previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     from trainer.node.accelerators import AcceleratorMismatch, check_visible_gpus
     from trainer.node.config import ConfigError, dump_config, load_config
     from trainer.node.data import DataError, count_samples, read_text, required_repeats
