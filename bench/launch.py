@@ -1,13 +1,15 @@
-"""Launch overhead: `trainer launch` on 2 hosts vs the seed guide's way (torchrun by hand on each host).
+"""Launch overhead: `trainer launch` against the seed guide's way (torchrun by hand on each host).
 
-Both start the same 2-node job (1 process per node, gloo, the embedded default) and are timed from
-the command to the first logged step of rank 0. The launcher's time includes everything it adds:
-ansible-runner, the node checks, writing the run's files, starting detached, and the poll that
-brings the step line to the screen.
+Both start the same job (1 process per node, gloo, the embedded default) and are timed from the
+command to the first logged step of rank 0 on the screen. The launcher's time includes everything
+it adds: its own start, the plan, ansible-runner and ansible-playbook, the probe and start round
+trips, and the poll that brings the step line to the screen. Rounds are interleaved (launcher, by
+hand, by hand, launcher, ...) so a machine whose load drifts weighs on both alike; the medians are
+compared. One more launch, in this process, is taken apart by phase.
 
-Hosts: the Molecule test bed (ct-head, ct-worker1) when /tmp/clustertrain-testbed.status says
-`up`, else two loopback "hosts" on this machine (`--loopback` forces that). Prints the seconds, the
-overhead and the ratio.
+Where: two loopback "hosts" on this machine, always; and the Molecule test bed (ct-head,
+ct-worker1, ct-worker2: 3 nodes) too when /tmp/clustertrain-testbed.status says `up` (--loopback:
+loopback only). Prints seconds, the overhead and the ratio for each, in one run.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import yaml
@@ -96,12 +100,16 @@ def time_launcher(inventory: Path, run_name: str) -> float:
     started = time.monotonic()
     first = None
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        output = []
         for line in proc.stdout:
+            output.append(line)
             if first is None and STEP.match(line):
                 first = time.monotonic() - started
         proc.wait()
     if proc.returncode != 0 or first is None:
-        raise SystemExit(f"trainer launch failed (exit {proc.returncode}) or logged no step")
+        raise SystemExit(
+            f"trainer launch failed (exit {proc.returncode}) or logged no step:\n{''.join(output[-30:])}"
+        )
     return first
 
 
@@ -130,6 +138,8 @@ def time_by_hand(loopback: bool, nodes: list[dict], port: int, output_dir: str, 
     started = time.monotonic()
     first = None
     environment = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not loopback:
+        environment["CONTAINERS_CONF"] = str(REPO / "scripts" / "testbed" / "containers.conf")
     for rank, node in enumerate(nodes):
         env = {
             "NNODES": str(len(nodes)),
@@ -158,35 +168,118 @@ def time_by_hand(loopback: bool, nodes: list[dict], port: int, output_dir: str, 
     return first
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--loopback", action="store_true", help="two loopback hosts even if the test bed is up"
-    )
-    args = parser.parse_args()
-    loopback = args.loopback or not testbed_up()
-    where = "two loopback hosts on this machine" if loopback else "the test bed (ct-head, ct-worker1)"
-    print(f"launch overhead on {where}: 2 nodes x 1 process, gloo, first logged step of rank 0")
+def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
+    """One launch in this process, taken apart: seconds from the start to each milestone."""
+    started = time.monotonic()
+    # A second place loads a second inventory in this process: Ansible says so once; it is harmless.
+    warnings.filterwarnings("ignore", "AnsibleCollectionFinder has already been configured")
+    from trainer.controller.inventory import load_cluster
+    from trainer.controller.launcher.launch import START_TASK, WATCH_TASK, Launcher, WatchOptions
+    from trainer.controller.launcher.plan import make_plan
+
+    marks = [("imports", time.monotonic() - started)]
+    plan = make_plan(load_cluster(inventory), None, tuple(TRAIN_SETS), None, run_name)
+    marks.append(("plan (inventory, trainer config)", time.monotonic() - started))
+    launcher = Launcher(plan, WatchOptions())
+    seen: set[str] = set()
+
+    def mark(name: str) -> None:
+        if name not in seen:
+            seen.add(name)
+            marks.append((name, time.monotonic() - started))
+
+    def on_event(event: dict) -> None:
+        name, task = event.get("event"), event.get("event_data", {}).get("task")
+        if name == "playbook_on_start":
+            mark("ansible-playbook started (runner, parse)")
+        elif name == "playbook_on_task_start" and task == START_TASK:
+            mark("probe on every node")
+        elif name == "playbook_on_task_start" and task == WATCH_TASK:
+            mark("files written, trainer started on every node")
+
+    class FirstStep(Exception):
+        pass
+
+    def on_message(message: dict) -> None:
+        for line in (message.get("report") or {}).get("lines") or []:
+            if STEP.match(line):
+                mark("first step shown (trainer start-up, poll)")
+                raise FirstStep
+
+    extravars = launcher.extravars(launch_files=launcher.files, launch_info=launcher.info())
+    try:
+        launcher._run("start.yml", extravars, on_event=on_event, on_message=on_message)
+    except (FirstStep, KeyboardInterrupt):
+        pass
+    finally:
+        launcher.stop()
+    return marks
+
+
+def measure(where: str, loopback: bool, hosts: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
         workdir = Path(tmp)
         port = free_port() if loopback else 29531
-        inventory, nodes = make_inventory(workdir, loopback, hosts=2, port=port)
+        inventory, nodes = make_inventory(workdir, loopback, hosts=hosts, port=port)
         settings = {}
         for path in sorted((inventory / "group_vars" / "cluster").glob("*.yml")):
             settings.update(yaml.safe_load(path.read_text()) or {})
         shared = str(workdir / "shared") if loopback else settings["cluster_shared_dir"]
         venv = str(REPO / ".venv") if loopback else settings["training_venv"]
-        run_name = f"bench-launch-{os.getpid()}"
+        launcher_s, by_hand_s, names = [], [], []
         try:
-            launcher_s = time_launcher(inventory, run_name)
-            by_hand_s = time_by_hand(loopback, nodes, port, f"{shared}/runs/{run_name}-by-hand", venv)
+            for round_number in range(rounds):
+                order = ("launcher", "by hand") if round_number % 2 == 0 else ("by hand", "launcher")
+                for kind in order:
+                    name = f"bench-launch-{os.getpid()}-{round_number}"
+                    if kind == "launcher":
+                        names.append(name)
+                        launcher_s.append(time_launcher(inventory, name))
+                    else:
+                        names.append(f"{name}-by-hand")
+                        by_hand_s.append(
+                            time_by_hand(loopback, nodes, port, f"{shared}/runs/{name}-by-hand", venv)
+                        )
+            names.append(f"bench-launch-{os.getpid()}-phases")
+            breakdown = phases(inventory, names[-1])
         finally:
             # The test bed's shared dir is a directory of this machine, bind-mounted into the containers.
-            for leftover in (f"{shared}/runs/{run_name}", f"{shared}/runs/{run_name}-by-hand"):
-                shutil.rmtree(leftover, ignore_errors=True)
-    print(f"trainer launch      : {launcher_s:6.1f} s to the first step")
-    print(f"torchrun by hand    : {by_hand_s:6.1f} s to the first step")
-    print(f"launcher overhead   : {launcher_s - by_hand_s:6.1f} s (ratio {launcher_s / by_hand_s:.2f}x)")
+            for name in names:
+                shutil.rmtree(f"{shared}/runs/{name}", ignore_errors=True)
+    return {"where": where, "launcher": launcher_s, "by_hand": by_hand_s, "phases": breakdown}
+
+
+def report(result: dict) -> None:
+    launcher, by_hand = statistics.median(result["launcher"]), statistics.median(result["by_hand"])
+    print(f"\n{result['where']}:")
+    print(f"  trainer launch      : {launcher:6.1f} s to the first step (median of {result['launcher']})")
+    print(f"  torchrun by hand    : {by_hand:6.1f} s to the first step (median of {result['by_hand']})")
+    print(f"  launcher overhead   : {launcher - by_hand:6.1f} s (ratio {launcher / by_hand:.2f}x)")
+    print("  one launch by phase (seconds from the start, in-process):")
+    previous = 0.0
+    for name, at in result["phases"]:
+        print(f"    {at:6.2f} (+{at - previous:5.2f})  {name}")
+        previous = at
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--loopback", action="store_true", help="loopback hosts only, even if the test bed is up"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each, interleaved (default: 3)")
+    args = parser.parse_args()
+    places = [("two loopback hosts on this machine", True, 2)]
+    if not args.loopback and testbed_up():
+        places.append(("the test bed (ct-head, ct-worker1, ct-worker2)", False, 3))
+    print(f"launch overhead: nodes x 1 process, gloo, first logged step of rank 0; {args.rounds} rounds each")
+    for where, loopback, hosts in places:
+        report(measure(where, loopback, hosts, args.rounds))
+    if len(places) == 1:
+        print(
+            "\n(the test bed is not up: scripts/testbed/molecule.sh converge, then status `up`, "
+            "to measure it too)"
+        )
     return 0
 
 

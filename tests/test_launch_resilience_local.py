@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_launch_command_local import launch_processes
 from test_launch_local import TINY, VENV, _trainer_pids, launch_command
 from test_launch_local import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
@@ -397,3 +398,31 @@ def test_a_long_watch_writes_no_event_files_and_keeps_flat_memory(loopback, tmp_
     assert late - early < 8 * 1024, (
         f"the launcher's process tree grew from {early} to {late} kB over {polls} polls"
     )
+
+
+def test_a_silent_command_is_a_stall_when_asked_for(loopback, tmp_path):
+    inventory, shared = loopback
+    shared.mkdir()  # the command's working dir (training_workdir's default)
+    command = ["bash", "-c", 'echo "node $NODE_RANK ready"; sleep 600']
+    done = subprocess.run(
+        [*launch_command(inventory, "--run-name", "quiet", "--stall-timeout", "10"), "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=run_env(tmp_path),
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "stalled: no node printed a line for" in out and "(--stall-timeout 10)" in out, out
+    assert "node 1 ready" in out, "each node's last lines are shown"
+    for rank in (0, 1):
+        assert launch_processes(shared / "runs" / "quiet" / "launch" / f"node-{rank}") == []
+
+
+def test_exclude_failed_needs_restarts(loopback):
+    inventory, shared = loopback
+    done = subprocess.run(
+        launch_command(inventory, "--exclude-failed"), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "--exclude-failed needs --max-restarts" in done.stderr
+    assert not shared.exists(), "nothing was started"
