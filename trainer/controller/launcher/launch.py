@@ -205,6 +205,7 @@ class Launcher:
             # A safety net only: the launcher fails the node after the grace and cancels the watch.
             "launch_give_up_s": options.unreachable_grace_s + 300,
             "launch_stop_grace_s": options.stop_grace_s,
+            "launch_has_secrets": plan.has_secrets,
             "launch_stacks": False,
             "launch_stop_record": {},
             "launch_tail": 20,

@@ -42,8 +42,15 @@ NODE_PROGRAM_DIGEST = hashlib.sha256(NODE_PROGRAM.encode()).hexdigest()[:16]
 #: Reads the request (with the helper's text) from stdin and hands it to node_ctl.serve. The helper
 #: needs only the standard library: `-S` skips site-packages (their .pth files cost more than the
 #: rest of a status poll). With `code_cache`, the compiled helper is kept there, per Python version.
+#: The request comes on stdin where the connection passes it (ssh, local); podman exec does not: there
+#: it is an argument, or, when it holds secrets (the start's), a private file in Ansible's remote tmp
+#: dir (`@PATH`), made readable to the training user the way Ansible does it for modules.
 BOOTSTRAP = """import json, marshal, os, sys
-request = json.loads(sys.stdin.read())
+given = sys.argv[1] if len(sys.argv) > 1 else ''
+if given.startswith('@'):
+    with open(given[1:]) as handle:
+        given = handle.read()
+request = json.loads(given or sys.stdin.read())
 cache = request.get('code_cache') and '%s.%x' % (request['code_cache'], sys.hexversion)
 try:
     with open(cache, 'rb') as handle:
@@ -61,6 +68,8 @@ scope = {'__name__': 'node_ctl'}
 exec(code, scope)
 sys.exit(scope['serve'](request))
 """
+#: A request longer than this goes in a file even without secrets (one argument may hold 128 KiB).
+ARGUMENT_LIMIT = 100_000
 #: Interface names as the kernel allows them: safe to write into run.sh unquoted.
 IFACE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 FINAL_STATES = ("exited", "vanished", "none")
@@ -73,7 +82,18 @@ class NoAnswer(Exception):
 class ActionModule(ActionBase):
     TRANSFERS_FILES = False
     _VALID_ARGS = frozenset(
-        ("op", "python", "request", "timeout_s", "poll_s", "channel", "give_up_s", "iface", "ib_disable")
+        (
+            "op",
+            "python",
+            "request",
+            "timeout_s",
+            "poll_s",
+            "channel",
+            "give_up_s",
+            "iface",
+            "ib_disable",
+            "secret",
+        )
     )
 
     def run(self, tmp: Any = None, task_vars: dict | None = None) -> dict:
@@ -96,7 +116,7 @@ class ActionModule(ActionBase):
                 return {**result, **self._watch(args, request)}
             if op == "start":
                 request["run_sh"] = self._resolved_run_sh(request["run_sh"], args)
-            answer = self._call(args["python"], {**request, "op": op}, timeout_s)
+            answer = self._call(args["python"], {**request, "op": op}, timeout_s, bool(args.get("secret")))
         except NodeError as err:
             if op == "probe":
                 err.text = (
@@ -144,13 +164,25 @@ class ActionModule(ActionBase):
             raise box["err"]
         return box["res"]
 
-    def _call(self, python: str, request: dict, timeout_s: float) -> dict:
+    def _call(self, python: str, request: dict, timeout_s: float, secret: bool = False) -> dict:
         """Run node_ctl.serve(request) on the node; its JSON answer (a `failed` answer raises)."""
         if request.get("op") in ("status", "stop", "pids") and request.get("node_dir"):
             request = {**request, "code_cache": f"{request['node_dir']}/.node_ctl-{NODE_PROGRAM_DIGEST}"}
-        payload = json.dumps({**request, "program": NODE_PROGRAM}).encode()
+        payload = json.dumps({**request, "program": NODE_PROGRAM})
         cmd = f"timeout -k 5 {int(timeout_s)} {shlex.quote(python)} -S -c {shlex.quote(BOOTSTRAP)}"
-        res = self._exec(cmd, payload, timeout_s)
+        if self._connection.has_pipelining:
+            res = self._exec(cmd, payload.encode(), timeout_s)
+        elif not secret and len(payload) < ARGUMENT_LIMIT:
+            res = self._exec(f"{cmd} {shlex.quote(payload)}", None, timeout_s)
+        else:
+            tmpdir = self._make_tmp_path()
+            path = self._connection._shell.join_path(tmpdir, "request.json")
+            self._transfer_data(path, payload)
+            self._fixup_perms2((tmpdir, path), execute=False)
+            try:
+                res = self._exec(f"{cmd} {shlex.quote('@' + path)}", None, timeout_s)
+            finally:
+                self._remove_tmp_path(tmpdir)
         lines = [line for line in res["stdout"].splitlines() if line.startswith("{")]
         if res["rc"] == 124:
             raise NoAnswer(f"the node's helper did not finish within {timeout_s:.0f} s (timeout on the node)")
