@@ -849,3 +849,24 @@ def test_step_bound_grows_with_the_slowest_step():
     assert phases.stall(40.0 + 599) is None
     stall = phases.stall(40.0 + 601)
     assert stall.phase == "step 3" and stall.hosts == ["head", "w1"]  # a collective: every node waits
+
+
+def test_shm_for_a_one_node_deepspeed_job_on_the_cpu():
+    from pathlib import Path
+
+    from trainer.controller.inventory import Cluster, Host
+    from trainer.controller.launcher.plan import make_plan
+    from trainer.controller.preflight import space
+
+    host = Host("solo", {"cluster_accelerators": 0, "training_procs_per_node": 4,
+                         "cluster_training_user": "t", "cluster_shared_dir": "/shared",
+                         "training_venv": "/opt/venv"})  # fmt: skip
+    cluster = Cluster(Path("inv"), host, ())
+    plan = make_plan(cluster, engine="deepspeed")
+    need, why = space.shm_needed(cluster, host, plan)
+    assert need == 4 * 66 * 2**20 and "DeepSpeed's shared-memory allreduce for 4 process(es)" in why
+    facts = {"solo": {"shm": {"free_bytes": 64 * 2**20, "error": ""}, "shared": {"io": {}}}}
+    result = space.evaluate(cluster, plan, facts, _no_answer)[0]
+    assert result.status == FAIL and "0.26 GiB needed" in result.detail
+    assert_fix(result, "solo", "mount -o remount,size=1G /dev/shm")
+    assert space.shm_needed(cluster, host, make_plan(cluster, engine="ddp"))[0] == 0

@@ -74,12 +74,12 @@ def checkpoints_kept(plan: JobPlan) -> int:
     return (steps // every if every else 0) + 1
 
 
-def shm_needed(cluster: Cluster, host) -> tuple[int, str]:
+def shm_needed(cluster: Cluster, host, plan: JobPlan | None) -> tuple[int, str]:
     gpus = int(host.get("cluster_accelerators", 0) or 0)
     if gpus > 1:
         return SHM_PER_GPU_NODE, f"NCCL's shared-memory transport between {gpus} GPUs"
-    engine = str(cluster.head.get("training_engine") or "")
-    procs = int(host.get("training_procs_per_node") or 1)
+    engine = plan.engine if plan is not None else str(cluster.head.get("training_engine") or "")
+    procs = plan.topology.gpus_per_node if plan is not None else int(host.get("training_procs_per_node") or 1)
     if cluster.is_single_host and engine == "deepspeed" and gpus == 0:
         return (
             procs * SHM_PER_DEEPSPEED_CPU_PROCESS,
@@ -111,7 +111,7 @@ def evaluate(cluster: Cluster, plan: JobPlan | None, facts: dict[str, Any], why_
         problems: list[tuple[str, str, str]] = []  # (status, detail, fix)
         shown: list[str] = []
         shm = fact.get("shm") or {}
-        need, why = shm_needed(cluster, host)
+        need, why = shm_needed(cluster, host, plan)
         if shm.get("error"):
             problems.append(
                 (
