@@ -79,11 +79,16 @@ def _fault_file(tmp_path) -> str:
 
 def _trip(config: HealthConfig, server: WebhookServer) -> dict:
     monitor = start_monitor(config, rank=0, local_rank=0, cuda_device=None, host="nodeA")
-    with pytest.raises(GpuFaultError):
-        for step in range(1, 500):
-            monitor.check(step)
-            threading.Event().wait(0.01)
-    [request] = server.wait_for(1, 5)
+    try:
+        with pytest.raises(GpuFaultError):
+            for step in range(1, 500):
+                monitor.check(step)
+                threading.Event().wait(0.01)
+        [request] = server.wait_for(1, 5)
+    finally:
+        # As the trainer's loop does on its way out: a tripped monitor left running exits the
+        # process with 75 after fault_exit_grace_s (here: this pytest process, tests later).
+        monitor.stop()
     return request
 
 
