@@ -100,6 +100,7 @@ def node_requests(
             "venv": str(host.get("training_venv") or ""),
             "data_path": str(host.get("cluster_data_path") or ""),
             "address": host.address,
+            "gpus": int(host.get("cluster_accelerators", 0) or 0),
             "io_timeout_s": io_timeout_s,
             "chrony": "clock" in wanted and not cluster.is_single_host,
         }

@@ -8,7 +8,7 @@ the venv, /dev/shm and the shared dir are seen with the permissions training wil
 (built on the controller, trainer.controller.preflight.probe.node_request) says what to look at:
 venv, data_path, address (cluster_ip), shared_dir, marker ({name, token}: a file written into the
 shared dir for the head to find), nfs ({role: server|client, server, service, mount_state, url}),
-model_dir, extensions_dir (training_env's TORCH_EXTENSIONS_DIR), io_timeout_s, chrony. Anything
+model_dir, extensions_dir (training_env's TORCH_EXTENSIONS_DIR), gpus, io_timeout_s, chrony. Anything
 that can block (the venv's python, a hung NFS mount, chronyc, the NFS server) runs with a timeout,
 the slow ones side by side. Never fails: problems are reported in the JSON so the controller can
 name them with their fix.
@@ -47,13 +47,16 @@ try:
 except ImportError as err:
     out["extensions"] = {"error": f"the node's trainer package has no trainer.torch_extensions ({err})"}
 # What the trainer will see: a CPU build of torch, or a driver older than the build's CUDA, shows
-# 0 GPUs here while nvidia-smi lists them all.
-try:
-    import torch
-    out["torch_cuda"] = torch.version.cuda
-    out["torch_gpus"] = torch.cuda.device_count()
-except Exception as err:  # noqa: BLE001 - any failure to import torch is the finding
-    out["torch_error"] = f"{type(err).__name__}: {err}"[:300]
+# 0 GPUs here while nvidia-smi lists them all. Only where the inventory gives the node GPUs
+# (argv[1] == "gpu"): importing torch costs seconds, and a CPU node has nothing to compare.
+import sys
+if sys.argv[1:] == ["gpu"]:
+    try:
+        import torch
+        out["torch_cuda"] = torch.version.cuda
+        out["torch_gpus"] = torch.cuda.device_count()
+    except Exception as err:  # noqa: BLE001 - any failure to import torch is the finding
+        out["torch_error"] = f"{type(err).__name__}: {err}"[:300]
 try:
     import hashlib
     from pydoc_data.topics import topics
@@ -125,12 +128,12 @@ def accelerators():
     return {"source": "nvidia-smi", "count": len(models), "models": models, "driver": ", ".join(drivers)}
 
 
-def versions(venv, extensions_dir=""):
+def versions(venv, extensions_dir="", gpus=0):
     python = os.path.join(venv, "bin", "python")
     if not os.access(python, os.X_OK):
         return {"error": f"no python at {python}"}
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=extensions_dir) if extensions_dir else None
-    rc, out, err = run([python, "-c", VERSIONS_PROBE], 120, env)
+    rc, out, err = run([python, "-c", VERSIONS_PROBE, "gpu" if gpus > 0 else "cpu"], 120, env)
     if rc != 0:
         return {"error": (err or out).strip()[-500:]}
     try:
@@ -377,7 +380,9 @@ def main():
     shared = request.get("shared_dir") or ""
     marker = request.get("marker") or {}
     with ThreadPoolExecutor(max_workers=6) as pool:
-        found_versions = pool.submit(versions, request["venv"], request.get("extensions_dir") or "")
+        found_versions = pool.submit(
+            versions, request["venv"], request.get("extensions_dir") or "", int(request.get("gpus") or 0)
+        )
         shared_io = (
             pool.submit(timed_io, shared, marker.get("name"), marker.get("token"), timeout)
             if shared
