@@ -109,3 +109,34 @@ def test_cancel_stops_a_running_playbook(tmp_path):
 def test_missing_playbook_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         run_playbook(tmp_path / "nope.yml", LOCAL_INVENTORY)
+
+
+def test_every_host_at_once_and_no_event_files(tmp_path, monkeypatch):
+    """Packaged playbooks get forks for a cluster (the current directory's ansible.cfg does not apply
+    to them), and ansible-runner keeps no event or output files: a watch of days would write
+    thousands otherwise."""
+    monkeypatch.delenv("ANSIBLE_FORKS", raising=False)
+    runner_tmp = tmp_path / "runner-tmp"
+    runner_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(runner_tmp))  # where the private dir is made
+    tasks = "".join(
+        f"    - name: Read the forks {i}\n"
+        "      ansible.builtin.debug:\n"
+        "        msg: \"{{ lookup('ansible.builtin.config', 'DEFAULT_FORKS') }}\"\n"
+        for i in range(20)
+    )
+    playbook = write_playbook(tmp_path, tasks)
+    kept: set[str] = set()
+
+    def look(event: dict) -> None:
+        kept.update(
+            str(p.relative_to(runner_tmp))
+            for p in runner_tmp.rglob("*")
+            if p.is_file()
+            and (("job_events" in p.parts and "partial.json" not in p.name) or p.name == "stdout")
+        )
+
+    result = run_playbook(playbook, LOCAL_INVENTORY, on_event=look)
+    assert result.succeeded, result.output
+    assert result.task_result("localhost", "Read the forks 0").result["msg"] == 50
+    assert kept == set(), f"files ansible-runner kept per event: {sorted(kept)[:5]}"

@@ -100,6 +100,12 @@ ENV_ALLOW_LIST = frozenset(
     }
 )
 
+#: Settings for every playbook run here unless the caller or the user's environment gives them.
+#: ansible-runner runs ansible-playbook in the playbook's directory, so no ansible.cfg of the user's
+#: current directory applies (~/.ansible.cfg still does): without these, a packaged playbook would
+#: run 5 hosts at a time. Forks bound concurrency only; a small inventory starts as many workers as it
+#: has hosts.
+PLAYBOOK_DEFAULTS = {"ANSIBLE_FORKS": "50", "ANSIBLE_RETRY_FILES_ENABLED": "False"}
 #: How often (seconds) ansible-runner looks at the cancel flag.
 CANCEL_POLL_S = 0.5
 #: How often (seconds) `on_tick` is called while a run is going.
@@ -382,6 +388,7 @@ def run_playbook(
         # "starting" comes before ansible-runner writes artifacts/<id>/command and spawns the process.
         if status_data.get("status") == "starting" and runner_config is not None:
             runner_config.env = {
+                **PLAYBOOK_DEFAULTS,
                 **filtered_environment(runner_config.env, bin_dir),
                 **(env or {}),
                 RUN_MARKER: marker.split("=", 1)[1],
