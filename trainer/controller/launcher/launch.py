@@ -575,6 +575,21 @@ class Launcher:
         exclude_failed: bool = False,
         replan: Callable[[set[str], list[str]], JobPlan] | None = None,
     ) -> int:
+        """Attempts until one succeeds, is interrupted, or no restart is left; the exit code."""
+        try:
+            return self._launch(view, max_restarts, exclude_failed, replan)
+        except KeyboardInterrupt:
+            # Between two attempts (each stops its nodes itself): nothing of this run is running.
+            view.message(f"interrupted between two attempts: nothing of run {self.plan.run_name} runs")
+            return INTERRUPTED
+
+    def _launch(
+        self,
+        view: LiveView,
+        max_restarts: int,
+        exclude_failed: bool,
+        replan: Callable[[set[str], list[str]], JobPlan] | None,
+    ) -> int:
         failures: Counter[str] = Counter()
         excluded: set[str] = set()
         restarts = 0
