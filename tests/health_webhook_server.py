@@ -14,7 +14,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class WebhookServer:
-    def __init__(self, behaviour: Callable[[int], tuple[int, float]] | None = None) -> None:
+    def __init__(
+        self, behaviour: Callable[[int], tuple[int, float]] | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        """`host`: the address to listen on (the test bed's nodes reach the controller at its
+        address on the bed's network, not at 127.0.0.1)."""
         self.requests: list[dict] = []
         self.attempts = 0
         self._lock = threading.Lock()
@@ -41,13 +45,14 @@ class WebhookServer:
             def log_message(self, *args) -> None:  # keep pytest output clean
                 pass
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = host
+        self._httpd = ThreadingHTTPServer((host, 0), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     def url(self, path: str = "/hooks/s3cr3t-token-do-not-log") -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return f"http://{self.host}:{self.port}{path}"
 
     def __enter__(self) -> WebhookServer:
         self._thread.start()
