@@ -1,7 +1,9 @@
 """`trainer preflight`: check a cluster before a launch, host by host and pair by pair.
 
-Every manual check and troubleshooting step of the multi-node guides (SSH trust, the master port,
-ufw, equal accelerators and versions, clocks, the shared dir, the data checksum, bandwidth, a tiny
-DeepSpeed checkpoint) runs for real on the nodes through Ansible; this package turns what the
-nodes report into pass/fail lines with the fix, and a JSON report.
+Every manual check and troubleshooting step of the multi-node guides runs for real on the nodes,
+against the live thing rather than the configuration: the job's topology as launch builds it, SSH
+trust, the master port, ufw, the NCCL/gloo interface, equal accelerators and versions, DeepSpeed's
+ops and build locks, chronyd and the clocks, the NFS server and mounts, the shared dir, free space,
+the data checksum, bandwidth, and a tiny DeepSpeed job followed phase by phase. This package turns
+what the nodes report into pass/fail lines with the host and the fix, and a JSON report.
 """
