@@ -67,7 +67,8 @@ def interconnect(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[R
                 FAIL,
                 f"cluster_nccl_ib_disable is 0 but {', '.join(without)} list no devices in {IB_DEVICES_DIR}: "
                 "NCCL cannot use InfiniBand/RoCE there",
-                fix="set cluster_nccl_ib_disable: auto (or 1), or bring up the HCA on those hosts",
+                fix=f"set cluster_nccl_ib_disable: auto (or 1), or bring up the HCA on {', '.join(without)} "
+                "(ibstat there)",
             )
         )
     elif setting == 1 and not without:
