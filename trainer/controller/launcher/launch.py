@@ -317,7 +317,9 @@ class Launcher:
                 self.become[host] = bool(res.get("become"))
             elif name == "runner_on_ok" and task == START_TASK:
                 started.add(host)
-                if "state" in res:
+                # Only "running": a command that has ended already is judged by the watch's first
+                # report, which brings its log lines with its state.
+                if res.get("state") == "running":
                     monitor.apply(monitor.hosts[host], res)
                     view.states(monitor.ordered)
             elif name in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
