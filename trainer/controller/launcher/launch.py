@@ -721,7 +721,8 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="stop every node when no rank advances a step (bundled trainer) or no node prints a line "
+        help="stop every node when no rank advances a step (bundled trainer; counted from its ranks' "
+        "first report) or no node prints a line "
         f"(your command) for S seconds, naming the ranks behind (default: {BUNDLED_STALL_TIMEOUT_S:g} for "
         "the bundled trainer, off for your command; 0: off)",
     )
