@@ -251,6 +251,9 @@ def test_a_node_failing_twice_is_left_out_and_the_batch_is_kept(loopback, tmp_pa
             "train.gradient_accumulation_steps=2",
             "--set",
             f"health.fault_source=file:{faults}",
+            # Read often: at the default 5 s a loaded machine can run steps 5-8 between two readings.
+            "--set",
+            "health.poll_interval_s=0.2",
             *TINY,
         ),
         capture_output=True,

@@ -32,6 +32,8 @@ from trainer.node.health.readings import FileFaultSource, GpuReading, GpuSource,
 from trainer.node.health.webhook import WebhookSender
 
 log = logging.getLogger(__name__)
+# Seconds the fault path waits for the webhook beyond its delivery budget (see _report).
+FLUSH_SLACK_S = 2.0
 
 # Texts of errors the CUDA runtime, cuBLAS and cuDNN raise through torch. Out-of-memory is left out on
 # purpose: it is a configuration problem (batch too large), not a broken GPU.
@@ -229,7 +231,9 @@ class HealthMonitor:
             self._reported = True
         print(fault_line(fault), file=stream, flush=True)
         if self._sender is not None:
-            budget = self.config.delivery_budget_s()
+            # The budget bounds the attempts themselves; the slack lets the sender thread, which may
+            # wait for a core on a loaded node, finish its last attempt and say why it gave up.
+            budget = self.config.delivery_budget_s() + FLUSH_SLACK_S
             if not self._sender.flush(budget):
                 log.warning("gpu.fault webhook still undelivered after %.1f s; exiting anyway", budget)
 
