@@ -11,8 +11,10 @@ without ptrace and without root.
 
 Without CLUSTERTRAIN_PROGRESS_DIR (a run by hand) nothing is written.
 
-Test hook: TRAINER_TEST_STALL=RANK:STEP[:SECONDS] makes global rank RANK sleep SECONDS (default 3600)
-before it starts step STEP, as a rank stuck outside a collective would be.
+Test hooks: TRAINER_TEST_STALL=RANK:STEP[:SECONDS] makes global rank RANK sleep SECONDS (default 3600)
+before it starts step STEP, as a rank stuck outside a collective would be; TRAINER_TEST_RAISE=RANK:STEP
+makes it raise a RuntimeError there instead, as a rank hitting a bug would (the launcher's root-cause
+report is tested with it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import IO, Any
 
 DIRECTORY_VARIABLE = "CLUSTERTRAIN_PROGRESS_DIR"
 STALL_VARIABLE = "TRAINER_TEST_STALL"
+RAISE_VARIABLE = "TRAINER_TEST_RAISE"
 #: Seconds between two writes of a rank's file at most.
 WRITE_INTERVAL_S = 1.0
 
@@ -41,6 +44,7 @@ class Progress:
         self.started_step: int | None = None
         self.done_step: int | None = None
         self._stall = _parse_stall(os.environ.get(STALL_VARIABLE, ""), rank)
+        self._raise = _parse_stall(os.environ.get(RAISE_VARIABLE, ""), rank)
         self._wake = threading.Event()
         self._closed = False
         self._stack_file: IO[str] | None = None
@@ -71,6 +75,8 @@ class Progress:
                 flush=True,
             )
             time.sleep(self._stall[1])
+        if self._raise is not None and step == self._raise[0]:
+            raise RuntimeError(f"rank {self.rank} raises before step {step} ({RAISE_VARIABLE} test hook)")
         self.started_step = step
         self._wake.set()
 

@@ -68,9 +68,26 @@ def run(args: argparse.Namespace) -> int:
     previous = os.umask(RUN_UMASK)
     os.umask(previous | RUN_UMASK)
     try:
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            # Under torchrun: an exception that ends this rank is written, with its traceback, to the
+            # error file torchrun names (under its --log-dir); `trainer launch` names the root-cause
+            # rank from it. Imported only then: it loads torch.
+            from torch.distributed.elastic.multiprocessing.errors import record
+
+            return record(_run)(args)
         return _run(args)
     finally:
         os.umask(previous)
+
+
+def record_error(error: BaseException) -> None:
+    """Under torchrun, `error` with its traceback in the error file torchrun names for this rank (what
+    `@record` writes for an exception that leaves the entry point): `trainer launch` names the
+    root-cause rank, its exception and last frame from it. Call it inside the `except` block."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(error)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -330,6 +347,7 @@ def train(
         if (code := health.exit_code_for(error, on_gpu=on_gpu)) is not None:
             return code
         print(f"trainer: rank {topology.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        record_error(error)
         return exitcodes.FAILURE
     finally:
         progress.close()
