@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from trainer import __version__, exitcodes
+from trainer import __version__, exitcodes, logsetup
 
 #: verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -40,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "trainer.node.hf.export",
         "a Hugging Face model directory from a fine-tuning run or checkpoint",
     ),
+    "report": ("trainer.node.report", "draw a run's curves (loss, lr, tokens/s, step time) as PNG files"),
 }
 
 
@@ -66,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"trainer {verb}", description=help_text)
     module.configure_parser(parser)
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=logsetup.LEVELS,
+        help=f"this command's log lines on stderr (time, host, rank, level); default: "
+        f"${logsetup.LEVEL_VARIABLE} or {logsetup.DEFAULT_LEVEL}",
+    )
     command: list[str] = []
     if getattr(module, "TAKES_COMMAND", False) and "--" in rest:
         split = rest.index("--")
@@ -73,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     if getattr(module, "TAKES_COMMAND", False):
         args.command = command
+    try:
+        logsetup.configure(args.log_level)
+    except logsetup.LogLevelError as err:
+        print(f"trainer {verb}: {err}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
     return int(module.run(args) or exitcodes.OK)
 
 

@@ -2,7 +2,8 @@
 
 Each component owns its section (torchtitan style): `train` in `trainer.node.schedule`, `data` in
 `trainer.node.data`, `distributed` in `trainer.node.engines`, `checkpoint` in
-`trainer.node.checkpoint`, `health` in `trainer.node.health.config`; `model` lives here because
+`trainer.node.checkpoint`, `health` in `trainer.node.health.config`, `metrics` in
+`trainer.node.metrics`; `model` lives here because
 `trainer.node.model` needs torch at import time and this module must stay light (the controller
 validates configs without torch). None of those modules imports this one (no import circles).
 Adding a section is a dataclass in its component and one field in `TrainerConfig`;
@@ -37,6 +38,7 @@ from trainer.node.engines import DistributedConfig
 from trainer.node.health.config import HealthConfig
 from trainer.node.hf.evaluation import EvalConfig
 from trainer.node.hf.lora import LoraConfig
+from trainer.node.metrics import MetricsConfig
 from trainer.node.schedule import TrainConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
@@ -105,6 +107,8 @@ class TrainerConfig:
     """LoRA / Q-LoRA adapter training of a Hugging Face model (peft)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """When to compute the eval loss (the eval samples come from data.eval_fraction or data.eval_path)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Where the logged metrics go besides metrics.jsonl: TensorBoard, W&B, MLflow."""
 
     def __post_init__(self) -> None:
         require(bool(self.output_dir.strip()), "output_dir", "must not be empty")
