@@ -45,7 +45,7 @@ from trainer import exitcodes
 from trainer.controller.access import configure_access
 from trainer.controller.inventory import Cluster, InventoryError, load_cluster
 from trainer.controller.launcher.launchfiles import launch_files
-from trainer.controller.launcher.live import JobMonitor, LiveView, describe
+from trainer.controller.launcher.live import JobMonitor, LiveView, describe, root_cause
 from trainer.controller.launcher.plan import (
     COMMAND_EPILOG,
     JobPlan,
@@ -459,11 +459,13 @@ class Launcher:
             restartable = not (
                 plan.runs_bundled_trainer and first.state == "failed" and first.exit_code in NOT_RESTARTABLE
             )
+            cause = root_cause(monitor)
             return Outcome(
                 exitcodes.FAILURE,
                 "unreachable" if first.state == "unreachable" else "failed",
                 [first.host],
-                f"{first.host} {describe(first)}",
+                f"{first.host} {describe(first)}"
+                + (f"; rank {cause.rank} raised {cause.message[:200]}" if cause is not None else ""),
                 restartable=restartable,
             )
         if monitor.stall is not None:
@@ -498,16 +500,21 @@ class Launcher:
         elif outcome.kind in ("failed", "unreachable"):
             first = monitor.hosts[outcome.hosts[0]]
             ranks = topo.node(first.host).global_ranks(topo.gpus_per_node)
-            rank = first.failed_rank if first.failed_rank is not None else ranks.start
+            # The rank: from its error file (torch's @record), else torchrun's text summary.
+            cause = root_cause(monitor)
+            named = cause.rank if cause is not None and cause.host == first.host else first.failed_rank
+            rank = named if named is not None else ranks.start
             rank_text = (
                 f"rank {rank}"
-                if first.failed_rank is not None or len(ranks) == 1
+                if named is not None or len(ranks) == 1
                 else (f"ranks {ranks.start}-{ranks.stop - 1}")
             )
             view.message(
                 f"[red]failed[/red]: first failure on host {first.host} (node {first.node_rank}, "
                 f"{rank_text}): {describe(first)}; the trainer was stopped on every host{stopped_in}."
             )
+            if cause is not None:
+                view.log(f"root cause: {cause.describe()}")
             others = [f"{hs.host}: {hs.state}" for hs in monitor.ordered if hs is not first]
             if others:
                 view.message("other hosts: " + ", ".join(others))

@@ -4,8 +4,11 @@
 through the runner's channel: state, exit record, new log lines, each rank's progress) and missed
 polls into per-host states, keeps each host's last log lines for the failure report, and decides
 when the job has failed: a node's trainer failed, a node did not answer for longer than the
-unreachable grace, or no rank made progress for the stall timeout. `LiveView` draws it: on a
-terminal a live table under the scrolling log; elsewhere (CI, pipes) one line per state change.
+unreachable grace, or no rank made progress for the stall timeout. `root_cause` names the rank
+whose exception ended the job from the ranks' error files (torch's @record under torchrun's
+--log-dir); torchrun's text summary (TORCHRUN_ROOT_RANK) is the fallback when there are none.
+`LiveView` draws it: on a terminal a live table under the scrolling log; elsewhere (CI, pipes) one
+line per state change.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class HostState:
     progress: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: When this host's log last grew (time.monotonic() on the controller).
     last_output_at: float | None = None
+    #: The error files of its ranks (torchrun's --log-dir; node_ctl.rank_errors), once it has ended.
+    errors: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -178,6 +183,70 @@ def describe(hs: HostState) -> str:
 
 
 @dataclass(frozen=True)
+class RootCause:
+    """The rank whose exception ended the job, from the ranks' error files (torchrun's --log-dir)."""
+
+    host: str
+    node_rank: int
+    rank: int
+    message: str
+    """`ExceptionType: message`, as torch's @record writes it."""
+    last_frame: str
+    """The traceback's last frame (`File "...", line N, in f` and its code line), or ''."""
+    file: str
+
+    def describe(self) -> str:
+        text = f"rank {self.rank} on {self.host} (node {self.node_rank}) raised {printable(self.message)}"
+        if self.last_frame:
+            text += f"; last frame: {printable(self.last_frame)}"
+        return text + f" (traceback in {self.file})"
+
+
+def last_frame(traceback_text: str) -> str:
+    """`File "...", line N, in f: code` of a Python traceback's innermost frame ('' if none)."""
+    lines = traceback_text.splitlines()
+    for index in range(len(lines) - 1, -1, -1):
+        if lines[index].lstrip().startswith('File "'):
+            frame = lines[index].strip()
+            following = lines[index + 1] if index + 1 < len(lines) else ""
+            # The frame's code line (indented under it), not the exception's own line.
+            if following.startswith("    ") and following.strip():
+                frame += f": {following.strip()}"
+            return frame
+    return ""
+
+
+def root_cause(monitor: JobMonitor) -> RootCause | None:
+    """From every host's error files: the first exception that was not a consequence of a peer going
+    away (a rank that lost its peers raises too, a moment later), earliest first; ties go to the
+    host that failed first (JobMonitor.first_failure), then the lowest rank. None without error
+    files (the rank was killed, or exited with a code: the launcher names it from its exit code and
+    torchrun's summary)."""
+    first = monitor.first_failure()
+    candidates = []
+    for hs in monitor.hosts.values():
+        ranks = monitor.ranks.get(hs.host)
+        for error in hs.errors:
+            local = int(error.get("local_rank", 0))
+            rank = ranks[local] if ranks is not None and local < len(ranks) else local
+            message = str(error.get("message") or "")
+            consequence = bool(PEER_LOST.search(message))
+            key = (consequence, float(error.get("timestamp") or 0), hs is not first, rank)
+            candidates.append((key, hs, rank, error, message))
+    if not candidates:
+        return None
+    _, hs, rank, error, message = min(candidates, key=lambda item: item[0])
+    return RootCause(
+        hs.host,
+        hs.node_rank,
+        rank,
+        message,
+        last_frame(str(error.get("traceback") or "")),
+        str(error.get("file") or ""),
+    )
+
+
+@dataclass(frozen=True)
 class Stall:
     """No progress for the stall timeout: who was behind, and where every rank was."""
 
@@ -265,6 +334,8 @@ class JobMonitor:
                 self.last_progress_at = hs.last_output_at
         for record in report.get("progress") or []:
             hs.progress[int(record.get("rank", 0))] = record
+        if report.get("errors"):
+            hs.errors = list(report["errors"])
         if self.progress_from_steps:
             key = tuple(
                 (h.host, rank, r.get("started"), r.get("done"))

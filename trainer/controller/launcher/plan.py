@@ -146,7 +146,10 @@ class JobPlan:
         Static (not c10d) because it gives every node the rank the plan shows (c10d orders nodes
         by address) and keeps all rendezvous traffic on MASTER_PORT, the port the firewall opens.
         All three engines start this way; the trainer picks DDP, DeepSpeed or accelerate from
-        `distributed.engine` (both read the torchrun environment).
+        `distributed.engine` (both read the torchrun environment). torchrun's --log-dir is the node
+        dir's `torchrun/`: each launch gets a subdir named after its launch id (run.sh sets the
+        rendezvous id to it), holding each rank's `error.json` (the rank's exception, written by the
+        trainer's `@record`), which `trainer launch` reads to name the root cause.
         """
         if self.user_command:
             return list(self.user_command)
@@ -160,6 +163,7 @@ class JobPlan:
             f"--master-addr={topo.master_addr}",
             f"--master-port={topo.master_port}",
             "--max-restarts=0",
+            f"--log-dir={PurePosixPath(self.launch_dir) / f'node-{node.node_rank}' / 'torchrun'}",
             "--no-python",
             str(venv / "bin" / "trainer"),
             "train",

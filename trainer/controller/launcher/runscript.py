@@ -55,6 +55,12 @@ def run_script(plan: JobPlan, node: Node, host: str) -> str:
             "# /sys/class/infiniband, else 1.",
             f"export NCCL_IB_DISABLE={IB_DISABLE}",
         ]
+    if plan.runs_bundled_trainer:
+        lines += [
+            "# torchrun's rendezvous id (PET_RDZV_ID): it names this launch's subdir of its --log-dir, where",
+            "# each rank's error.json lands (the launcher names the root cause from them).",
+            'export PET_RDZV_ID="$(cat launch-id)"',
+        ]
     command_line = shlex.join(plan.node_command(node))
     workdir = shlex.quote(plan.workdir(node))
     lines += [

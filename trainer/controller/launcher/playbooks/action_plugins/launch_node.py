@@ -2,7 +2,7 @@
 
     - name: Probe the node
       launch_node:
-        op: probe            # probe | check | start | status | watch | stop | pids | whoami
+        op: probe            # lock | probe | check | start | status | watch | stop | pids | whoami
         python: /srv/venv/bin/python
         request: {...}       # the JSON request for templates/node_ctl.py (see its docstring)
 
@@ -136,7 +136,17 @@ class ActionModule(ActionBase):
                 result.update(failed=True, msg=problem)
         elif op == "check" and answer.get("check_error"):
             result.update(failed=True, msg=answer["check_error"])
-        result["changed"] = op == "start" or bool(answer.get("stopped"))
+        elif op == "lock" and request.get("action") == "acquire" and not answer.get("acquired"):
+            holder = answer.get("holder") or {}
+            # The launcher words the refusal (it can tell whether the holder still runs).
+            result.update(
+                failed=True,
+                msg=f"the run's lock {request['launch_dir']}/lock is held by pid {holder.get('pid')} on "
+                f"{holder.get('controller')}",
+            )
+        result["changed"] = op == "start" or bool(
+            answer.get("stopped") or answer.get("released") or answer.get("acquired")
+        )
         return result
 
     # --- one call ----------------------------------------------------------------------------------
@@ -269,7 +279,8 @@ class ActionModule(ActionBase):
                 offset = report.get("offset", offset)
                 channel.send({"type": "report", "host": host, "report": report})
                 if report.get("state") in FINAL_STATES:
-                    return {"report": {k: v for k, v in report.items() if k != "lines"}}
+                    code = (report.get("exit") or {}).get("exit_code")
+                    return {"report": {k: v for k, v in report.items() if k != "lines"}, "exit_code": code}
         except _LauncherGone:
             return {"failed": True, "msg": "the launcher stopped listening; the trainer was left running"}
         finally:

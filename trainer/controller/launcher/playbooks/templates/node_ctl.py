@@ -5,8 +5,10 @@ process per step and node: the venv's python with a short bootstrap, and one JSO
 that carries this program's own text, so a node always runs the controller's version and nothing is
 copied first (one round trip per step, and no secret on a command line):
 
-    {"op": "probe" | "check" | "start" | "status" | "stop" | "pids", ...}  ->  one JSON line
+    {"op": "lock" | "probe" | "check" | "start" | "status" | "stop" | "pids", ...}  ->  one JSON line
 
+- lock (the head only): take, release or read the run's lock, `launch/lock` (one launcher per run
+  name: a second launch is refused before its probe; see `lock`);
 - probe: user, venv, the interface holding the cluster address, the master port, a previous run of
   the same name still running, InfiniBand/RoCE devices; and the command check (below) when this
   account is the training user already;
@@ -26,12 +28,15 @@ reach them: every process of the launch carries CLUSTERTRAIN_LAUNCH_ID (from `la
 environment, and that is how they are all found, even after their parent is gone.
 
 The node dir holds `pid` (the process group leader run.sh writes), `log` (the command's output),
-`exit` (JSON written by run.sh when the command ends), `launch.json` (what the launcher started and
-with which watch settings, for `trainer status` and `trainer attach`), `progress/rank-N.json` (the
-bundled trainer's ranks: the step each is in, written by trainer.node.progress) and `secret-env`
-(the secret variables, mode 0600). A relaunch renames the last launch's `log` and `exit` to `log.N`
-and `exit.N` (N = 1, 2, ... in launch order): the evidence of a failure survives every later launch.
-On the head, `launch/history.jsonl` gets one record per launch, restart and stop.
+`exit` (JSON written by run.sh when the command ends), `torchrun/` (torchrun's --log-dir for the
+bundled trainer: each rank's `error.json` per launch, read into a final report as `errors`),
+`launch.json` (what the launcher started and with which watch settings, for `trainer status` and
+`trainer attach`), `progress/rank-N.json` (the bundled trainer's ranks: the step each is in,
+written by trainer.node.progress) and `secret-env` (the secret variables, mode 0600). A relaunch
+renames the last launch's `log` and `exit` to `log.N` and `exit.N` (N = 1, 2, ... in launch order):
+the evidence of a failure survives every later launch. On the head, `launch/history.jsonl` gets one
+record per launch, restart and stop, and `launch/lock` names the launcher that holds the run (see
+`lock`).
 Standard library only: it runs with the node's venv python.
 """
 
@@ -179,6 +184,39 @@ def _state(node_dir: Path) -> tuple[str, int | None, dict | None]:
     return state, pid, exit_record
 
 
+def rank_errors(node_dir: Path) -> list[dict]:
+    """The error files of this launch's ranks on this node: torchrun's --log-dir is `torchrun/` here,
+    with a subdir per launch (`<launch id>_<random>/attempt_N/<local rank>/error.json`), written by
+    the trainer's `@record` when an exception ends a rank (torch's format: the exception as
+    `Type: message`, its traceback, the time in whole seconds)."""
+    launch_id = _launch_id(node_dir)
+    if launch_id is None:
+        return []
+    found = []
+    for path in sorted((node_dir / "torchrun").glob(f"{launch_id}_*/attempt_*/*/error.json")):
+        data = _read_json(path)
+        message = data.get("message") if isinstance(data, dict) else None
+        if isinstance(message, str):  # torch's other form: the message alone
+            message = {"message": message, "extraInfo": {}}
+        if not isinstance(message, dict) or not path.parent.name.isdigit():
+            continue
+        extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
+        try:
+            timestamp = float(extra.get("timestamp") or 0) or path.stat().st_mtime
+        except (OSError, ValueError):
+            timestamp = 0.0
+        found.append(
+            {
+                "local_rank": int(path.parent.name),
+                "message": str(message.get("message") or "")[:2000],
+                "traceback": str(extra.get("py_callstack") or "")[-8000:],
+                "timestamp": timestamp,
+                "file": str(path),
+            }
+        )
+    return found
+
+
 def status(node_dir: Path, offset: int | None = None, tail: int = 0, wait: float = 0.0) -> dict:
     """The node's report. With an offset and `wait`, a long poll: it returns as soon as the log grew
     or the trainer ended, at the latest after `wait` seconds."""
@@ -206,6 +244,8 @@ def status(node_dir: Path, offset: int | None = None, tail: int = 0, wait: float
         "progress": progress(node_dir),
         "log_age_s": _log_age(node_dir),
         "time": time.time(),
+        # Read once the trainer has ended (a poll of a running one needs none of it).
+        "errors": rank_errors(node_dir) if state in ("exited", "vanished") else [],
     }
 
 
@@ -593,6 +633,72 @@ def start(request: dict, program: str) -> dict:
     return result
 
 
+# --- the run's lock ------------------------------------------------------------------------------
+
+
+def lock(request: dict) -> dict:
+    """The run's lock, `<launch dir>/lock` on the head: one launcher per run name at a time.
+
+    acquire: made atomically (a complete file linked into place: it exists whole or not at all, on
+    the head's own disk); taken again by the same holder (its `token`: a launcher keeps it across
+    its restarts) without a change. Held by another: not acquired, and its holder is returned; with
+    `take_over` equal to that holder's token (the controller judged it dead, `--force`), it is moved
+    aside and replaced, recorded in history.jsonl. release: removed if the caller holds it.
+    inspect: the holder, if any."""
+    launch_dir = Path(request["launch_dir"])
+    path = launch_dir / "lock"
+    token = str(request.get("token") or "")
+    action = request.get("action")
+    if action == "inspect":
+        return {"holder": _read_json(path) if path.exists() else None}
+    if action == "release":
+        holder = _read_json(path)
+        if holder is not None and holder.get("token") == token:
+            path.unlink(missing_ok=True)
+            return {"released": True}
+        return {"released": False, "holder": holder}
+    if action != "acquire" or not token:
+        raise Failure(f"bad lock request {action!r}")
+    launch_dir.mkdir(parents=True, exist_ok=True)
+    mine = {**(request.get("holder") or {}), "token": token, "taken_at": time.time()}
+    tmp = launch_dir / f".lock.{token}"
+    write_file(tmp, json.dumps(mine) + "\n")
+    try:
+        try:
+            os.link(tmp, path)
+            return {"acquired": True, "holder": mine}
+        except FileExistsError:
+            pass
+        current = _read_json(path)
+        if current is not None and current.get("token") == token:
+            return {"acquired": True, "holder": current}
+        stale = request.get("take_over")
+        if stale is not None and (current or {}).get("token", "") == stale:
+            aside = launch_dir / f".lock.taken.{token}"
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                return {"acquired": False, "holder": _read_json(path), "changed": True}
+            moved = _read_json(aside)
+            if (moved or {}).get("token", "") != stale:
+                # Another launcher's fresh lock came in between: put it back, take nothing.
+                with contextlib.suppress(FileExistsError):
+                    os.link(aside, path)
+                aside.unlink(missing_ok=True)
+                return {"acquired": False, "holder": moved, "changed": True}
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                aside.unlink(missing_ok=True)
+                return {"acquired": False, "holder": _read_json(path), "changed": True}
+            aside.unlink(missing_ok=True)
+            append_record(launch_dir, {"event": "lock_taken_over", "from": moved, "by": mine})
+            return {"acquired": True, "holder": mine, "took_over": moved}
+        return {"acquired": False, "holder": current if current is not None else {}}
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class Failure(Exception):
     """The request cannot be done; the message says why (and the fix)."""
 
@@ -606,6 +712,8 @@ def serve(request: dict) -> int:
             result = probe(request)
         elif op == "check":
             result = {"check_error": check(request["check"])}
+        elif op == "lock":
+            result = lock(request)
         elif op == "start":
             result = start(request, program)
         elif op == "status":
