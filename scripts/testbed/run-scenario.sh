@@ -30,6 +30,9 @@ fail() {
 }
 
 started=$SECONDS
+# `--destroy never` also skips the sequence's first destroy: a bed left by an aborted run (or a
+# hand-made one) would be reused as is, so start from nothing explicitly.
+destroy
 "$testbed_dir/molecule.sh" test -s "$scenario" --destroy never 2>&1 | tee "$logs/molecule.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || fail "molecule test -s $scenario" "$logs/molecule.log"
 
