@@ -111,7 +111,9 @@ class Trainer:
                 # Step 1 is logged too: the user sees the starting loss, the launcher a first line, at once.
                 logged = step % train.log_every == 0 or last or step == 1 or evaluated is not None
                 if logged:
-                    loss = self._global_loss(local_loss)
+                    loss, node_step_times = self._logged_values(
+                        local_loss, interval_step_time / interval_steps
+                    )
                     elapsed = time.perf_counter() - interval_start
                     record = {
                         "step": step,
@@ -121,6 +123,8 @@ class Trainer:
                         "tokens_per_s": interval_tokens / elapsed,
                         "step_time_s": interval_step_time / interval_steps,
                         "world_size": self.topology.world_size,
+                        # Each node's mean over its ranks: a slow node (a throttled GPU, a bad link) shows.
+                        "step_time_s_by_node": {f"node{n}": t for n, t in enumerate(node_step_times)},
                     }
                     if evaluated is not None:
                         record["eval_loss"] = evaluated
@@ -166,6 +170,23 @@ class Trainer:
         from trainer.node.distributed import mean_across_ranks
 
         return mean_across_ranks(local_loss, self.topology.device)
+
+    def _logged_values(self, local_loss: float, step_time_s: float) -> tuple[float, list[float]]:
+        """The loss averaged over all ranks and each node's mean step time, in the one all-reduce a
+        logged step already pays for: [loss, time per node..., ranks per node...], summed."""
+        import torch
+        import torch.distributed as dist
+
+        nodes, node = self.topology.num_nodes, self.topology.node_rank
+        values = torch.zeros(1 + 2 * nodes, dtype=torch.float64, device=self.topology.device)
+        values[0] = local_loss
+        values[1 + node] = step_time_s
+        values[1 + nodes + node] = 1.0
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        totals = values.tolist()
+        counts = totals[1 + nodes :]
+        times = [t / c if c else float("nan") for t, c in zip(totals[1 : 1 + nodes], counts, strict=True)]
+        return totals[0] / dist.get_world_size(), times
 
     def _resume(self) -> int:
         if self.resume_from is None:

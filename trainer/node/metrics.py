@@ -10,6 +10,7 @@ validates configs without torch): each tracker's package is imported when rank 0
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import json
@@ -109,11 +110,11 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The tracker scalars of one metrics.jsonl record, by tag (per-node step times as
-    train/step_time_s/<host>)."""
+    """The tracker scalars of one metrics.jsonl record, by tag (each node's step time as
+    train/step_time_s_by_node/nodeN: a tag is never also the folder of another in MLflow's file store)."""
     values = {tag: float(record[key]) for key, tag in SCALAR_TAGS.items() if record.get(key) is not None}
-    for host, seconds in (record.get("step_time_s_by_node") or {}).items():
-        values[f"train/step_time_s/{host}"] = float(seconds)
+    for node, seconds in (record.get("step_time_s_by_node") or {}).items():
+        values[f"train/step_time_s_by_node/{node}"] = float(seconds)
     return values
 
 
@@ -299,6 +300,8 @@ class Reporter:
                 tracker.log(record["step"], values)
             except Exception as err:  # a tracker's outage costs its curves, never the run
                 self._drop_tracker(name, "stopped logging", err)
+                with contextlib.suppress(Exception):
+                    tracker.close()
 
     def _open_trackers(self, first_step: int) -> None:
         for name in self.metrics.report_to:

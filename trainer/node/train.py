@@ -104,6 +104,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
         config.health.webhook_target()  # a webhook file or variable is the node's: checked here
+        if _rank() == 0:  # rank 0 writes the trackers: their packages must be there, checked here
+            config.metrics.check_installed()
         world_size = world_size_from_env()
         if config.distributed.deepspeed_config:  # the user's DeepSpeed JSON: refused here, on every rank
             from trainer.node.engines.ds_json import load_user_config, merge_user_config
@@ -201,7 +203,13 @@ def train(
 
     topology = distributed.discover(config.distributed.backend)
     output_dir = Path(config.output_dir)
-    reporter = Reporter(output_dir, enabled=topology.is_main, max_steps=config.train.max_steps)
+    reporter = Reporter(
+        output_dir,
+        enabled=topology.is_main,
+        max_steps=config.train.max_steps,
+        metrics=config.metrics,
+        hparams=config.to_dict(),
+    )
     resume_from, resume_note = find_resume_point(config.checkpoint, output_dir)
     if resume_from is not None:
         check_resumable(resume_from, config, world_size=topology.world_size)
@@ -340,6 +348,7 @@ def train(
                 reporter.info(
                     f"final model: {finetune.write_final(engine, output_dir, is_main=topology.is_main)}"
                 )
+        reporter.write_report()  # rank 0's PNG curves; a failure to draw is a warning, never the run's
         clean = True  # every rank got here with the same code: leaving together is safe
         return code
     except Exception as error:
