@@ -11,3 +11,6 @@ DATA_ERROR = 3
 GPU_FAULT = 75
 #: Preflight found at least one failing check.
 PREFLIGHT_FAILED = 4
+#: output_dir's file system is full (sysexits' EX_IOERR): the previous checkpoint is intact and stays
+#: `latest`; free space and run the same command again to resume.
+NO_SPACE = 74

@@ -7,7 +7,14 @@ Writing step N (every rank takes part; engines with sharded state write their ow
      system), then replaces `latest` atomically (write `latest.tmp`, os.replace) and removes the
      oldest `step-*` beyond `save_total_limit`.
 A kill at any moment leaves `latest` naming a complete checkpoint; `.tmp-*` leftovers are ignored
-and removed by the next run.
+and removed by the next run before it writes anything (`remove_leftovers`).
+
+A full disk: before each write rank 0 compares the free space with the size of the newest checkpoint
+(the next one is the same size) and every rank stops together if it cannot fit; a write that still
+runs out of space (the first checkpoint, or something else filling the disk) is recognised by its
+errno or by a small probe write. Either way the run ends with `DiskFull` (exit NO_SPACE): one line
+naming the directory, the bytes free and the checkpoint's size; `latest` still names the previous,
+intact checkpoint, and the incomplete `.tmp-step-N` is removed when the run starts again.
 
 Test hook: TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S=<seconds> makes rank 0 sleep inside step 2 (the
 temporary directory exists, the checkpoint is incomplete), so a test can kill the trainer in the
@@ -18,7 +25,9 @@ torch is imported inside functions: this module's config is loaded on the contro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 import random
@@ -42,6 +51,8 @@ DELAY_ENV = "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S"
 DELAY_STEP_ENV = "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_STEP"
 #: Version of the RNG file layout (rng_state); older trainers pickled numpy objects instead.
 RNG_FORMAT = 2
+#: errno values that mean "the file system (or this account's quota) is full".
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(kw_only=True)
@@ -291,6 +302,168 @@ def _test_delay(step: int) -> None:
         time.sleep(delay)
 
 
+class DiskFull(Exception):
+    """Output_dir's file system has no room for what the run must write (exit code NO_SPACE); the
+    message is one line naming the directory, the bytes free and what did not fit. `everywhere`: every
+    rank raised it together (rank 0 says it); else only the rank whose write failed knows."""
+
+    def __init__(self, message: str, *, everywhere: bool = False):
+        super().__init__(message)
+        self.everywhere = everywhere
+
+
+def human_size(size: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:,} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes this process may still write on the file system holding path (root may use the blocks
+    reserved for it, other accounts may not)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    info = os.statvfs(path)
+    return (info.f_bfree if os.geteuid() == 0 else info.f_bavail) * info.f_frsize
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes that the files under path occupy on disk (blocks, so a compressing file system counts
+    what it really stores)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # removed while we counted
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+def is_disk_full(error: BaseException, directory: Path) -> bool:
+    """Did `error` come from a full file system (or quota) under directory? An OSError says so by its
+    errno; torch's C++ writer raises a RuntimeError without one ("iostream error"), so then a small
+    probe write in directory decides."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in NO_SPACE_ERRNOS:
+            return True
+        cause = cause.__cause__ or cause.__context__
+    if not isinstance(error, OSError | RuntimeError):
+        return False
+    probe = Path(directory) / f"{TMP_PREFIX}space-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as handle:
+            handle.write(b"\0" * 65536)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as err:
+        return err.errno in NO_SPACE_ERRNOS
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return False
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The complete checkpoint `latest` names (else the newest complete one), or None."""
+    latest = directory / LATEST
+    if latest.is_file():
+        named = directory / latest.read_text().strip()
+        if named.name.startswith("step-") and is_complete(named):
+            return named
+    candidates = complete_checkpoints(directory) if directory.is_dir() else []
+    return candidates[-1] if candidates else None
+
+
+def no_space_message(
+    directory: Path,
+    *,
+    step: int,
+    needed: int,
+    measured: bool,
+    free: int,
+    partial: bool = False,
+) -> str:
+    """The one line a full disk gets (see DiskFull). partial: `free` counts an incomplete write that the
+    next start removes."""
+    previous = latest_checkpoint(directory)
+    need = (
+        f"about {human_size(needed)} (the size of {previous.name if previous else 'the last checkpoint'})"
+        if measured
+        else f"more than {human_size(needed)} (written before the disk filled)"
+    )
+    kept = (
+        f"{previous.name} is intact and stays `latest`"
+        if previous
+        else "there is no earlier checkpoint (the run starts from step 0 again)"
+    )
+    older = [p.name for p in complete_checkpoints(directory) if previous and p != previous]
+    room = f"delete an older checkpoint ({', '.join(older)}), " if older else ""
+    counted = " without the incomplete write (removed at the next start)" if partial else ""
+    return (
+        f"no space left on device for checkpoint step-{step} in {directory}: it needs {need}, "
+        f"{human_size(free)} free{counted}; {kept}; free space there ({room}other files, or use "
+        "another output_dir), then run the same command again to resume"
+    )
+
+
+def space_problem(
+    directory: Path, *, step: int, save_total_limit: int, log: Callable[[str], None] | None = None
+) -> str | None:
+    """The no-space line if checkpoint `step` cannot fit, else None. Its size is the newest checkpoint's
+    (the next one holds the same tensors); with no checkpoint yet it is not known: None.
+
+    Room that can be made is no problem: the checkpoints save_total_limit deletes after this save anyway
+    (never the one `latest` names); with `log` they are deleted now, before the write, and logged."""
+    previous = latest_checkpoint(directory)
+    if previous is None:
+        return None
+    needed, free = disk_usage(previous), free_bytes(directory)
+    if free >= needed:
+        return None
+    if save_total_limit > 0:
+        ours = [p for p in complete_checkpoints(directory) if _step_of(p) < step]
+        doomed = [p for p in ours[: len(ours) - (save_total_limit - 1)] if p != previous]
+        if doomed and free + sum(disk_usage(p) for p in doomed) >= needed:
+            if log is None:
+                return None
+            names = ", ".join(p.name for p in doomed)
+            log(
+                f"making room for step-{step} ({human_size(needed)}, {human_size(free)} free): removing "
+                f"{names} now, which checkpoint.save_total_limit={save_total_limit} removes after it anyway"
+            )
+            for old in doomed:
+                shutil.rmtree(old, ignore_errors=True)
+            return None
+    return no_space_message(directory, step=step, needed=needed, measured=True, free=free)
+
+
+#: What a stopped run can leave in output_dir besides checkpoints/.tmp-*: temporary files of atomic
+#: writes (run.json.tmp, latest.tmp), the shared-dir check's marker, an unfinished final model.
+LEFTOVER_PATTERNS = ("*.tmp", ".shared-check-*", f"{TMP_PREFIX}final")
+
+
+def remove_leftovers(output_dir: str | Path, log: Callable[[str], None]) -> None:
+    """Delete what an interrupted write left behind (a kill, a full disk): rank 0, before the run
+    writes anything, so the space it holds is free for this run's first write."""
+    output_dir = Path(output_dir)
+    directory = checkpoints_dir(output_dir)
+    found = [*directory.glob(TMP_PREFIX + "*"), *directory.glob("*.tmp")] if directory.is_dir() else []
+    if output_dir.is_dir():
+        found += [path for pattern in LEFTOVER_PATTERNS for path in output_dir.glob(pattern)]
+    for leftover in sorted(set(found)):
+        if leftover.is_dir() and not leftover.is_symlink():
+            log(f"removing incomplete checkpoint {leftover} (a run stopped while writing it)")
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+
 class CheckpointWriter:
     """Saves checkpoints with the protocol in the module docstring; call `save` on every rank."""
 
@@ -302,42 +475,78 @@ class CheckpointWriter:
         rank: int,
         barrier: Callable[[], None],
         log: Callable[[str], None],
+        share: Callable[[Any], Any] = lambda value: value,
     ):
         self.config = config
         self.directory = checkpoints_dir(output_dir)
         self.rank = rank
         self.barrier = barrier
         self.log = log
-
-    def remove_leftovers(self) -> None:
-        """Rank 0: delete temporary directories of writes that a kill interrupted."""
-        if self.rank == 0 and self.directory.is_dir():
-            for leftover in self.directory.glob(TMP_PREFIX + "*"):
-                self.log(f"removing incomplete checkpoint {leftover} (a run stopped while writing it)")
-                shutil.rmtree(leftover, ignore_errors=True)
+        self.share = share
+        """Rank 0's value, on every rank (a collective: every rank calls it)."""
 
     def save(self, step: int, save_engine_state: Callable[[Path], None], state: dict[str, Any]) -> Path:
         import torch
 
         final = self.directory / f"step-{step}"
         tmp = self.directory / f"{TMP_PREFIX}step-{step}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+        limit = self.config.save_total_limit
+        problem = self.share(
+            space_problem(self.directory, step=step, save_total_limit=limit, log=self.log)
+            if self.rank == 0
+            else None
+        )
+        if problem:  # every rank got the same answer: they stop together, nothing half-written
+            raise DiskFull(problem, everywhere=True)
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self.barrier()
+            save_engine_state(tmp)
+            torch.save(rng_state(), rng_file(tmp, self.rank))
+        except Exception as err:
+            self._raise_if_disk_full(err, step, tmp)
+            raise
         self.barrier()
-        save_engine_state(tmp)
-        torch.save(rng_state(), rng_file(tmp, self.rank))
-        self.barrier()
         if self.rank == 0:
-            _test_delay(step)
-            _write_atomically(tmp / STATE_FILE, json.dumps(state, indent=2) + "\n")
-            if final.exists():  # a rerun with resume: never reaches the same step again
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _write_atomically(self.directory / LATEST, final.name + "\n")
+            renamed = False
+            try:
+                _test_delay(step)
+                _write_atomically(tmp / STATE_FILE, json.dumps(state, indent=2) + "\n")
+                if final.exists():  # a rerun with resume: never reaches the same step again
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                renamed = True
+                _write_atomically(self.directory / LATEST, final.name + "\n")
+            except Exception as err:
+                if renamed:  # `latest` still names the previous one: this one goes, its space with it
+                    os.rename(final, tmp)
+                self._raise_if_disk_full(err, step, tmp)
+                raise
             self._rotate(step)
         self.barrier()
         return final
+
+    def _raise_if_disk_full(self, err: Exception, step: int, tmp: Path) -> None:
+        """DiskFull (one line) for a write that ran out of space. The incomplete directory stays (another
+        rank may still be writing into it) and is removed when the run starts again; the free space
+        reported counts it as free."""
+        if not is_disk_full(err, self.directory):
+            return
+        written = disk_usage(tmp)
+        previous = latest_checkpoint(self.directory)
+        needed = max(written, disk_usage(previous)) if previous else written
+        raise DiskFull(
+            no_space_message(
+                self.directory,
+                step=step,
+                needed=needed,
+                measured=previous is not None,
+                free=free_bytes(self.directory) + written,
+                partial=True,
+            )
+        ) from None
 
     def _rotate(self, step: int) -> None:
         """Keep the newest `save_total_limit` checkpoints up to this step. Higher-numbered ones left by

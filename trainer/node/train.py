@@ -92,6 +92,7 @@ def record_error(error: BaseException) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from trainer.node.accelerators import AcceleratorMismatch, check_visible_gpus
+    from trainer.node.checkpoint import DiskFull
     from trainer.node.config import ConfigError, dump_config, load_config
     from trainer.node.data import DataError, count_samples, read_text, required_repeats
     from trainer.node.distributed import world_size_from_env
@@ -168,6 +169,9 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as err:  # checkpoint.resume naming a bad path is found once the run starts
         _error(f"config error: {err}")
         return exitcodes.CONFIG_ERROR
+    except DiskFull as err:  # no room for the next checkpoint, found before training resumes
+        _error(str(err))
+        return exitcodes.NO_SPACE
     except KeyboardInterrupt:
         return 130
 
@@ -188,9 +192,16 @@ def train(
     from trainer.node import distributed
     from trainer.node.checkpoint import (
         CheckpointWriter,
+        DiskFull,
         check_resumable,
         find_resume_point,
+        free_bytes,
+        human_size,
+        is_disk_full,
+        read_state,
+        remove_leftovers,
         resume_fingerprint,
+        space_problem,
     )
     from trainer.node.config import ConfigError, dump_config
     from trainer.node.data import ShardedBatches
@@ -213,10 +224,32 @@ def train(
     resume_from, resume_note = find_resume_point(config.checkpoint, output_dir)
     if resume_from is not None:
         check_resumable(resume_from, config, world_size=topology.world_size)
+    if topology.is_main:
+        # Before anything is written: an interrupted write (a kill, a full disk) may hold the space
+        # this run's first write needs.
+        remove_leftovers(output_dir, reporter.info)
     distributed.start(topology, config.distributed.timeout_s)
     try:
         _check_output_dir_is_shared(output_dir, topology)
-    except ConfigError:
+        if resume_from is not None:
+            resumed = int(read_state(resume_from).get("step", 0))
+            if resumed < config.train.max_steps:
+                # The next checkpoint is as big as this one: without room for it, training is lost work.
+                save_steps = config.checkpoint.save_steps
+                next_save = resumed + save_steps - resumed % save_steps if save_steps else 0
+                next_save = min(next_save or config.train.max_steps, config.train.max_steps)
+                problem = distributed.gather(
+                    space_problem(
+                        output_dir / "checkpoints",
+                        step=next_save,
+                        save_total_limit=config.checkpoint.save_total_limit,
+                    )
+                    if topology.is_main
+                    else None
+                )[0]
+                if problem:
+                    raise DiskFull(problem, everywhere=True)
+    except (ConfigError, DiskFull):
         distributed.shutdown(clean=True)  # every rank found the same problem: they leave together
         raise
     clean = False
@@ -323,9 +356,13 @@ def train(
         if topology.is_main and os.environ.get("TRAINER_PRINT_CONFIG"):
             print(dump_config(config), end="")
         checkpoints = CheckpointWriter(
-            config.checkpoint, output_dir, rank=topology.rank, barrier=distributed.barrier, log=reporter.info
+            config.checkpoint,
+            output_dir,
+            rank=topology.rank,
+            barrier=distributed.barrier,
+            log=reporter.info,
+            share=lambda value: distributed.gather(value)[0],
         )
-        checkpoints.remove_leftovers()
         trainer = Trainer(
             train_config=config.train,
             save_steps=config.checkpoint.save_steps,
@@ -355,6 +392,20 @@ def train(
         # A CUDA error in the step, or any error after this rank's GPU faulted: exit 75, not 1.
         if (code := health.exit_code_for(error, on_gpu=on_gpu)) is not None:
             return code
+        if isinstance(error, DiskFull):
+            clean = error.everywhere
+            if topology.is_main or not error.everywhere:
+                print(f"trainer: {error}", file=sys.stderr, flush=True)
+            return exitcodes.NO_SPACE
+        if is_disk_full(error, output_dir):  # run.json, metrics.jsonl, ds_config.json, the final model
+            print(
+                f"trainer: rank {topology.rank}: no space left on device in {output_dir} "
+                f"({_failed_file(error)}): {human_size(free_bytes(output_dir))} free; the latest "
+                "checkpoint is intact; free space there, then run the same command again to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+            return exitcodes.NO_SPACE
         print(f"trainer: rank {topology.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         record_error(error)
         return exitcodes.FAILURE
@@ -362,6 +413,18 @@ def train(
         progress.close()
         health.stop()
         distributed.shutdown(clean)
+
+
+def _failed_file(error: BaseException) -> str:
+    """The file an OSError names (in the exception or what caused it), or the error's type."""
+    cause: BaseException | None = error
+    for _ in range(8):
+        if cause is None:
+            break
+        if isinstance(cause, OSError) and cause.filename:
+            return f"writing {cause.filename}"
+        cause = cause.__cause__ or cause.__context__
+    return type(error).__name__
 
 
 def _check_output_dir_is_shared(output_dir, topology) -> None:
