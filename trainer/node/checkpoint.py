@@ -64,6 +64,10 @@ class CheckpointConfig:
     resume: str = "auto"
     """`auto`: continue from checkpoints/latest if there is one; `never`: start fresh (existing
     checkpoints are overwritten as the run goes); or the path of a `step-N` directory to start from."""
+    allow_data_change: bool = False
+    """Resume even though the training data (data.path's content) or, for a Hugging Face model, the
+    tokenizer's files changed since the checkpoint was written: training continues from its step on the
+    new data. A changed vocabulary (token ids that mean other tokens) is refused all the same."""
 
     def __post_init__(self) -> None:
         require(
