@@ -193,6 +193,14 @@ def test_loopback_cluster_bandwidth_in_parallel_rounds(tmp_path):
     for i in range(3):
         for j in range(3):
             assert (cells[i][j] is None) == (i == j), cells
+    # The same matrix as a PNG heatmap beside the report, named in it, drawn from these numbers.
+    from matplotlib.image import imread
+
+    from trainer.controller.preflight.report import bandwidth_heatmap
+
+    assert matrix["heatmap"] == "report-bandwidth.png"
+    assert imread(tmp_path / matrix["heatmap"])[..., :3].std() > 0.05, "blank heatmap"
+    assert bandwidth_heatmap(matrix).axes[0].images[0].get_array().tolist() == cells
     # Below the (absurd) 1000 Gbit/s threshold: a warning with the ZeRO advice, not a failure.
     warnings = [r for r in report["results"] if r["check"] == "bandwidth"]
     assert len(warnings) == 3 and all(r["status"] == "warn" for r in warnings)

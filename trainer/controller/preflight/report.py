@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+log = logging.getLogger(__name__)
 
 PASS = "pass"
 FAIL = "fail"
@@ -92,13 +99,64 @@ class Report:
         }
 
     def write(self, path: Path) -> None:
-        """Write atomically, so a reader never sees half a report."""
+        """Write atomically, so a reader never sees half a report; the measured bandwidth matrix also as
+        a PNG heatmap beside it (`<report>-bandwidth.png`, named in the JSON as bandwidth.heatmap)."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        if self.bandwidth and any(v is not None for row in self.bandwidth["matrix"] for v in row):
+            picture = heatmap_path(path)
+            try:
+                write_png(bandwidth_heatmap(self.bandwidth), picture)
+                self.bandwidth["heatmap"] = picture.name
+            except Exception as err:  # a picture that cannot be drawn never costs the verdicts
+                log.warning("bandwidth heatmap not written to %s: %s: %s", picture, type(err).__name__, err)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         with os.fdopen(fd, "w") as handle:
             json.dump(self.to_dict(), handle, indent=2)
             handle.write("\n")
         os.replace(tmp, path)
+
+
+def heatmap_path(report_path: Path) -> Path:
+    return report_path.with_name(f"{report_path.stem}-bandwidth.png")
+
+
+def bandwidth_heatmap(bandwidth: dict[str, Any]) -> Figure:
+    """The bandwidth matrix as a heatmap (rows = sender, columns = receiver, Gbit/s in each cell;
+    the diagonal and unmeasured cells blank), on its own Figure: no pyplot, nothing shown."""
+    from matplotlib.figure import Figure
+
+    nodes, cells = bandwidth["nodes"], bandwidth["matrix"]
+    values = [[math.nan if v is None else float(v) for v in row] for row in cells]
+    side = min(20.0, 3.0 + 0.9 * len(nodes))
+    fig = Figure(figsize=(side + 1.5, side), dpi=100, layout="constrained")
+    axes = fig.add_subplot()
+    image = axes.imshow(values, cmap="viridis", vmin=0.0)
+    fig.colorbar(image, ax=axes, label="Gbit/s")
+    axes.set_xticks(range(len(nodes)), nodes, rotation=45, ha="right")
+    axes.set_yticks(range(len(nodes)), nodes)
+    axes.set_xlabel("receiver")
+    axes.set_ylabel("sender")
+    threshold = bandwidth.get("threshold_gbit")
+    axes.set_title("iperf3 bandwidth" + (f" (warn below {threshold:g} Gbit/s)" if threshold else ""))
+    if len(nodes) <= 16:  # the numbers stay readable
+        finite = [v for row in values for v in row if not math.isnan(v)]
+        middle = (max(finite) + min(finite)) / 2 if finite else 0.0
+        for i, row in enumerate(values):
+            for j, value in enumerate(row):
+                if not math.isnan(value):
+                    color = "black" if value > middle else "white"
+                    axes.text(j, i, f"{value:.2f}", ha="center", va="center", color=color, fontsize=8)
+    return fig
+
+
+def write_png(fig: Figure, path: Path) -> None:
+    """Through matplotlib's Agg canvas, atomically."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
 
 
 def format_result(result: Result) -> str:
