@@ -81,3 +81,17 @@ def test_one_concern_by_tag_still_validates_first():
     assert "firewall: skipped, single-host cluster" in output
     assert "users: skipped" not in output
     assert "trainer_env: single-host" not in output
+
+
+@pytest.mark.slow
+def test_check_diff_passes_and_changes_nothing_on_this_machine():
+    """`ansible-playbook site.yml --check --diff`, what an Ansible user runs before touching a machine."""
+    before = machine_state()
+    result = run_provision("--check", "--diff")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert machine_state() == before
+    for role in ("users", "ssh_trust", "timesync", "firewall", "nfs_server"):
+        assert f"{role}: skipped, single-host cluster" in output, role
+    # The venv's versions are read in check mode too (a read-only probe).
+    assert re.search(r'"torch": "\d+\.\d+', output), output
