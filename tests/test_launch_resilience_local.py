@@ -336,6 +336,9 @@ def test_attach_follows_a_launch_whose_launcher_was_killed(loopback, tmp_path):
     assert attach.returncode == 0, out
     assert "step 150/150" in out and "done: run orphan finished on all 2 node(s)" in out, out
     assert json.loads((run / "summary.json").read_text())["final_step"] == 150
+    # The dead launcher's lock was adopted and released at the end: the next launch needs no --force.
+    assert f"took over run orphan's lock from trainer launch pid {launcher.pid}" in out, out
+    assert not (run / "launch" / "lock").exists()
     # The killed launcher's private dir (the run's files and secrets) was removed by a later run.
     assert not list((tmp_path / "tmpdir").glob("clustertrain-runner-*"))
 

@@ -5,7 +5,18 @@ It reads what started the launch from the head (`launch.json`: the nodes and ran
 settings, the bundled trainer or your command), then does what the launcher would have done: rank
 0's log and a state line per host, `unreachable (Ns)` and the grace, the stall watchdog, and on
 the first failure, on Ctrl-C, TERM or HUP, a stop on every node naming the cause. The exit code is
-the launch's. Restarts are the launcher's (--max-restarts): attach does not relaunch.
+the launch's.
+
+The run's lock (runlock.py): attach needs none to follow. It adopts the lock when its holder is
+verifiably dead (a launcher of this controller whose pid no longer runs) or when there is none, so no
+second launch of the run starts while it follows, and releases it when the run ends (the next launch
+then needs no --force); a holder that still runs, or one on another controller, keeps its lock.
+
+Restarts: attach does not relaunch, whatever --max-restarts the launch had (launch.json records it,
+and how many were used). A relaunch needs what only the launch's command line had: the trainer
+config, its --set values and the --env variables, secrets included, none of which is kept on the
+controller. On a failure that the launcher would have restarted, attach says so and gives the
+`trainer launch` command to run: the bundled trainer resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from trainer.controller.launcher.launch import (
 )
 from trainer.controller.launcher.live import LiveView
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, PlanError, make_plan
+from trainer.controller.launcher.runlock import LockError, describe_holder, holder_state
 from trainer.controller.launcher.status import launch_info, launcher_alive
 from trainer.controller.launcher.topology import TopologyError
 
@@ -65,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return exitcodes.CONFIG_ERROR
-    launcher = Launcher(plan, watch_options(args, plan.runs_bundled_trainer, saved=info))
+    launcher = Launcher(
+        plan, watch_options(args, plan.runs_bundled_trainer, saved=info), command="trainer attach"
+    )
     launcher.launch_id = str(info.get("launch_id") or launcher.launch_id)
     launcher.attempt_number = int(info.get("attempt") or 1)
     view = LiveView()
@@ -75,4 +89,35 @@ def run(args: argparse.Namespace) -> int:
             "follows it too"
         )
     install_signal_handlers(view)
-    return launcher.attempt(view, {}, attach=True).code
+    adopt_lock(launcher, view)
+    try:
+        outcome = launcher.attempt(view, {}, attach=True)
+    finally:
+        launcher.release_lock(view)
+    left = int(info.get("max_restarts") or 0) - int(info.get("restarts") or 0)
+    if outcome.restartable and left > 0:
+        view.message(
+            f"not restarted: this launch had --max-restarts {info.get('max_restarts')} ({left} left), but "
+            "attach does not relaunch (it has not the launch's config, --set and --env). Relaunch with "
+            f"`trainer launch -i {args.inventory} --run-name {args.run_name} --max-restarts {left}` and the "
+            "launch's other options: the bundled trainer resumes from the latest checkpoint"
+        )
+    return outcome.code
+
+
+def adopt_lock(launcher: Launcher, view: LiveView) -> None:
+    """Take the run's lock when nobody holds it or its holder is verifiably dead; else leave it."""
+    run_name = launcher.plan.run_name
+    try:
+        answer = launcher.lock_call("acquire")
+        if answer.get("acquired"):
+            return
+        holder = answer.get("holder") or {}
+        if holder_state(holder) != "dead":
+            view.log(f"note: run {run_name}'s lock stays with {describe_holder(holder)}")
+            return
+        answer = launcher.lock_call("acquire", take_over=str(holder.get("token") or ""))
+        if answer.get("acquired"):
+            view.log(f"took over run {run_name}'s lock from {describe_holder(holder)}, which no longer runs")
+    except LockError as err:
+        view.log(f"note: following without the run's lock ({err})")

@@ -53,6 +53,16 @@ from trainer.controller.launcher.plan import (
     add_job_arguments,
     make_plan,
 )
+from trainer.controller.launcher.runlock import (
+    LOCK_TASK,
+    RELEASE_TASK,
+    LockError,
+    RunLock,
+    describe_holder,
+    holder_state,
+    lock_call,
+    release_quietly,
+)
 from trainer.controller.launcher.runscript import node_dir, run_script
 from trainer.controller.launcher.topology import AUTO_IFNAME, TopologyError
 from trainer.controller.runner import PlaybookResult, run_playbook
@@ -109,9 +119,20 @@ class Outcome:
 
 
 class Launcher:
-    def __init__(self, plan: JobPlan, options: WatchOptions = WatchOptions()) -> None:
+    def __init__(
+        self, plan: JobPlan, options: WatchOptions = WatchOptions(), *, command: str = "trainer launch"
+    ) -> None:
         self.plan = plan
         self.options = options
+        #: The run's lock on the head (runlock.py): taken before the first probe, kept across restarts.
+        self.lock = RunLock(plan.run_name, plan.launch_dir, command)
+        #: The restart policy (--max-restarts, --exclude-failed) and the restarts used so far: in
+        #: launch.json, for `trainer attach`.
+        self.max_restarts = 0
+        self.exclude_failed = False
+        self.restarts = 0
+        #: No restart can follow this attempt: its stop releases the lock.
+        self.final_attempt = True
         # One fork per host: the watch polls every host at once (the default of 5 would not).
         # ansible.cfg of the current directory is not read for these playbooks' settings that matter
         # here, so they are set outright.
@@ -156,6 +177,9 @@ class Launcher:
             "unreachable_grace_s": options.unreachable_grace_s,
             "stall_timeout_s": options.stall_timeout_s,
             "stop_grace_s": options.stop_grace_s,
+            "max_restarts": self.max_restarts,
+            "exclude_failed": self.exclude_failed,
+            "restarts": self.restarts,
         }
 
     def extravars(self, **extra: Any) -> dict[str, Any]:
@@ -209,6 +233,9 @@ class Launcher:
             "launch_stacks": False,
             "launch_stop_record": {},
             "launch_tail": 20,
+            "launch_lock_request": self.lock.request("acquire"),
+            "launch_release_lock": False,
+            "launch_release_lock_when_done": True,
             **extra,
         }
 
@@ -230,20 +257,35 @@ class Launcher:
     # --- stop ---------------------------------------------------------------------------------
 
     def stop(
-        self, monitor: JobMonitor | None = None, *, stacks: bool = False, record: dict | None = None
+        self,
+        monitor: JobMonitor | None = None,
+        *,
+        stacks: bool = False,
+        record: dict | None = None,
+        release: bool = False,
     ) -> PlaybookResult:
-        """Stop the run on every host. A second Ctrl-C (or TERM, or HUP) must not cut this short (it
-        would leave trainers running), so they are ignored until the stop playbook is done."""
+        """Stop the run on every host (and release the run's lock with `release`, when no restart
+        follows). A second Ctrl-C (or TERM, or HUP) must not cut this short (it would leave trainers
+        running), so they are ignored until the stop playbook is done."""
         signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
         try:
             result = self._run(
                 "stop.yml",
-                self.extravars(launch_stacks=stacks, launch_stop_record=record or {}),
+                self.extravars(
+                    launch_stacks=stacks,
+                    launch_stop_record=record or {},
+                    # Not only when known to be held: an interrupt can come between the lock's
+                    # taking and its report. The head removes it only for this launcher's token.
+                    launch_release_lock=release,
+                ),
             )
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        released = result.task_result(self.plan.topology.head.host, RELEASE_TASK)
+        if released is not None and released.status == "ok" and released.result.get("released"):
+            self.lock.held = False
         if monitor is not None:
             for host, items in result.ok.items():
                 for item in items:
@@ -284,6 +326,7 @@ class Launcher:
         probes: dict[str, dict[str, Any]] = {}
         started: set[str] = set()
         start_failures: list[tuple[str, str, str, str]] = []
+        lock_refused: list[dict[str, Any]] = []
         cancel = threading.Event()
 
         def on_event(event: dict[str, Any]) -> None:
@@ -306,6 +349,14 @@ class Launcher:
                     )
                     + ")"
                 )
+            if task in (LOCK_TASK, RELEASE_TASK) and not data.get("ignore_errors"):
+                if name == "runner_on_ok" and task == LOCK_TASK:
+                    self.lock.held = True
+                elif name == "runner_on_ok" and res.get("released"):
+                    self.lock.held = False
+                elif name == "runner_on_failed" and task == LOCK_TASK and "holder" in res:
+                    lock_refused.append(res.get("holder") or {})
+                    return
             if task == WATCH_TASK or host not in monitor.hosts:
                 return
             if attach:
@@ -371,11 +422,17 @@ class Launcher:
                 result = None
             if interrupted:
                 view.message("interrupted: stopping the trainer on every host (wait for it)")
-                stopped = self.stop(monitor, record=self._stop_record("interrupted", "Ctrl-C, TERM or HUP"))
+                stopped = self.stop(
+                    monitor, record=self._stop_record("interrupted", "Ctrl-C, TERM or HUP"), release=True
+                )
                 view.states(monitor.ordered)
                 self._report_stop_problems(stopped, view)
                 view.message(f"interrupted: the trainer is stopped on all hosts (run {plan.run_name})")
                 return Outcome(INTERRUPTED, "interrupted")
+            if lock_refused:
+                view.message(f"[red]trainer launch: run {plan.run_name} is locked[/red]")
+                view.log(self.lock.refusal(lock_refused[0]))
+                return Outcome(exitcodes.CONFIG_ERROR, "locked", [], "the run is locked by another launch")
             if start_failures:
                 return self._start_failed(start_failures, started, view)
             if monitor.all_done:
@@ -398,6 +455,7 @@ class Launcher:
                 monitor,
                 stacks=stall is not None and plan.runs_bundled_trainer,
                 record=self._stop_record(outcome.kind, outcome.reason, outcome.hosts),
+                release=self.final_attempt,
             )
             view.states(monitor.ordered)
         outcome.latest_checkpoint = next(
@@ -583,14 +641,71 @@ class Launcher:
         max_restarts: int = 0,
         exclude_failed: bool = False,
         replan: Callable[[set[str], list[str]], JobPlan] | None = None,
+        *,
+        force: bool = False,
     ) -> int:
-        """Attempts until one succeeds, is interrupted, or no restart is left; the exit code."""
+        """Attempts until one succeeds, is interrupted, or no restart is left; the exit code. The run's
+        lock is taken by the first attempt (or here, with `force`), and released on every way out."""
+        self.max_restarts, self.exclude_failed = max_restarts, exclude_failed
         try:
+            if force and (code := self.take_over_lock(view)) is not None:
+                return code
             return self._launch(view, max_restarts, exclude_failed, replan)
         except KeyboardInterrupt:
             # Between two attempts (each stops its nodes itself): nothing of this run is running.
             view.message(f"interrupted between two attempts: nothing of run {self.plan.run_name} runs")
             return INTERRUPTED
+        finally:
+            self.release_lock(view)
+
+    # --- the run's lock (runlock.py) -------------------------------------------------------------
+
+    def lock_call(self, action: str, take_over: str | None = None) -> dict[str, Any]:
+        """One round trip to the head's lock (lock.yml)."""
+        return lock_call(self.lock, *self._lock_call_args(), action, take_over)
+
+    def take_over_lock(self, view: LiveView) -> int | None:
+        """--force: take the lock, over a holder that is not verifiably alive; None, or the exit code."""
+        try:
+            answer = self.lock_call("acquire")
+            if answer.get("acquired"):
+                return None
+            holder = answer.get("holder") or {}
+            if holder_state(holder) == "alive":
+                view.message(f"[red]trainer launch: run {self.plan.run_name} is locked[/red]")
+                view.log(self.lock.refusal(holder, forced=True))
+                return exitcodes.CONFIG_ERROR
+            answer = self.lock_call("acquire", take_over=str(holder.get("token") or ""))
+        except LockError as err:
+            view.log(f"trainer launch: {err}")
+            return exitcodes.FAILURE
+        if not answer.get("acquired"):
+            view.message(f"[red]trainer launch: run {self.plan.run_name} is locked[/red]")
+            view.log(self.lock.refusal(answer.get("holder"), forced=True) + " (it changed hands just now)")
+            return exitcodes.CONFIG_ERROR
+        view.log(f"--force: took over the lock of run {self.plan.run_name} from {describe_holder(holder)}")
+        return None
+
+    def release_lock(self, view: LiveView) -> None:
+        """The run's lock, if still held here (a failure with no restart left, an interrupt between
+        attempts): released with one more round trip."""
+        if problem := release_quietly(self.lock, *self._lock_call_args()):
+            view.log(
+                f"{problem}; it names this launcher, which has ended: the next launch of run "
+                f"{self.plan.run_name} needs --force"
+            )
+
+    def _lock_call_args(self) -> tuple[Any, ...]:
+        return (
+            str(self.plan.topology.inventory),
+            self.plan.topology.head.host,
+            {
+                "launch_training_user": self.plan.training_user,
+                "launch_become_hosts": self.become,
+                "launch_command_timeout_s": self.options.command_timeout_s,
+            },
+            self.env,
+        )
 
     def _launch(
         self,
@@ -607,6 +722,8 @@ class Launcher:
             "nodes": {n.host: n.node_rank for n in self.plan.topology.nodes},
         }
         while True:
+            self.restarts = restarts
+            self.final_attempt = restarts >= max_restarts
             outcome = self.attempt(view, record)
             if outcome.code in (exitcodes.OK, INTERRUPTED):
                 return outcome.code
@@ -779,6 +896,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "again, up to K times; the bundled trainer resumes from the latest checkpoint (default: 0)",
     )
     parser.add_argument(
+        "--force",
+        action="store_true",
+        help="take over the run's lock left by a launcher that died (kill -9, a lost controller); "
+        "refused while that launcher still runs on this controller",
+    )
+    parser.add_argument(
         "--exclude-failed",
         action="store_true",
         help="with --max-restarts: leave out a node that failed twice, when the other nodes still divide "
@@ -835,7 +958,9 @@ def run(args: argparse.Namespace) -> int:
             view.log(f"[{host}] {state}")
         return exitcodes.OK if result.succeeded else exitcodes.FAILURE
     install_signal_handlers(view)
-    return launcher.launch(view, args.max_restarts, args.exclude_failed, replanner(args, cluster))
+    return launcher.launch(
+        view, args.max_restarts, args.exclude_failed, replanner(args, cluster), force=args.force
+    )
 
 
 def install_signal_handlers(view: LiveView) -> None:

@@ -1,0 +1,192 @@
+"""The run's lock: one launcher per run name at a time.
+
+Two launches of one run name would both pass the probe (nothing runs yet), then the second's start
+would clear the first's node state and each would stop the other. So every launch takes
+`<run>/launch/lock` on the head (where the run's dir lives; every node sees it through the shared
+dir) before its probe, as the training user, through the node helper (templates/node_ctl.py, op
+`lock`: the file is linked into place whole, so of two launches one gets it). The file names its
+holder: the controller's host name, the launcher's pid and that process's start time, the user and
+when it was taken. The launcher keeps it across its restarts (--max-restarts) and releases it on
+every way out: the end of the run (the start playbook's last task on the head), a stop after a
+failure or on Ctrl-C, TERM or HUP (the stop playbook's last task), else a last round trip
+(lock.yml).
+
+A second launch is refused (exit 2) naming the holder and the fix. A launcher killed with -9 leaves
+its lock behind: `--force` takes it over, unless its holder is verifiably alive (a process with its
+pid and start time still runs on this controller); a holder on another controller cannot be checked
+from here, so `--force` trusts the operator for it. `trainer attach` follows a run without needing
+the lock; it adopts a lock whose holder is verifiably dead on this controller (and releases it when
+the run ends, so the next launch needs no --force), and leaves any other holder's lock alone.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from trainer.controller.runner import run_playbook
+
+PLAYBOOK = PurePosixPath(__file__).parent / "playbooks" / "lock.yml"
+#: start.yml's tasks on the head (the launcher follows them by name).
+LOCK_TASK = "Take the run's lock on the head"
+RELEASE_TASK = "Release the run's lock"
+#: lock.yml's task.
+LOCK_CALL_TASK = "Take, release or read the run's lock"
+
+
+class LockError(Exception):
+    """The lock could not be read or changed (the head did not answer, the helper failed)."""
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of process `pid` (clock ticks since boot, /proc/PID/stat), or None: with the pid,
+    it tells a live holder from a reused pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def holder_state(holder: dict[str, Any] | None) -> str:
+    """'alive' or 'dead' for a holder on this controller; 'unknown' for one elsewhere (or unreadable)."""
+    if not holder or holder.get("controller") != socket.gethostname():
+        return "unknown"
+    try:
+        pid = int(holder["pid"])
+        os.kill(pid, 0)
+    except (KeyError, TypeError, ValueError, ProcessLookupError):
+        return "dead"
+    except PermissionError:
+        pass  # another account's process: alive
+    started = holder.get("pid_start")
+    if started and process_start(pid) not in (None, str(started)):
+        return "dead"  # the pid was reused by another process
+    return "alive"
+
+
+def describe_holder(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "an unreadable lock file (no holder named in it)"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("taken_at") or 0)))
+    return (
+        f"{holder.get('command', 'trainer launch')} pid {holder.get('pid')} on {holder.get('controller')} "
+        f"(user {holder.get('user')}), since {since}"
+    )
+
+
+@dataclass
+class RunLock:
+    """This launcher's claim on one run name (see the module's docstring)."""
+
+    run_name: str
+    launch_dir: str
+    command: str = "trainer launch"
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    held: bool = False
+
+    @property
+    def path(self) -> str:
+        return str(PurePosixPath(self.launch_dir) / "lock")
+
+    def holder(self) -> dict[str, Any]:
+        return {
+            "run_name": self.run_name,
+            "controller": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_start": process_start(os.getpid()),
+            "user": getpass.getuser(),
+            "command": self.command,
+        }
+
+    def request(self, action: str = "acquire", take_over: str | None = None) -> dict[str, Any]:
+        """The node helper's lock request (templates/node_ctl.py, `lock`)."""
+        request: dict[str, Any] = {
+            "launch_dir": self.launch_dir,
+            "action": action,
+            "token": self.token,
+            "holder": self.holder(),
+        }
+        if take_over is not None:
+            request["take_over"] = take_over
+        return request
+
+    def refusal(self, holder: dict[str, Any] | None, *, forced: bool = False) -> str:
+        """Why this launch may not go on, and the fix."""
+        state = holder_state(holder)
+        who = describe_holder(holder)
+        stop = f"`trainer launch -i INVENTORY --run-name {self.run_name} --stop`"
+        if forced and state == "alive":
+            return (
+                f"run {self.run_name} is locked by {who}, which still runs on this controller: --force "
+                f"takes over only a dead launcher's lock. Wait for it, stop it (kill {holder.get('pid')}; "  # type: ignore[union-attr]
+                f"it stops its nodes), or pick another --run-name (lock: {self.path})"
+            )
+        if state == "dead":
+            return (
+                f"run {self.run_name} is locked by {who}, which no longer runs (killed?). Stop what it "
+                f"may have left running with {stop}, then launch again with --force to take its lock "
+                f"over (lock: {self.path})"
+            )
+        where = "on this controller" if state == "alive" else "elsewhere: it cannot be checked from here"
+        return (
+            f"run {self.run_name} is locked by {who} ({where}). Wait for that launch to end, follow it "
+            f"with `trainer attach`, or pick another --run-name; if its launcher is dead, stop its nodes "
+            f"with {stop} and launch again with --force (lock: {self.path})"
+        )
+
+
+def lock_call(
+    lock: RunLock,
+    inventory: str,
+    head: str,
+    extravars: dict[str, Any],
+    env: dict[str, str],
+    action: str,
+    take_over: str | None = None,
+) -> dict[str, Any]:
+    """One round trip to the head (lock.yml): the helper's answer. `extravars` carries what every
+    launcher playbook gets (training_user, who needs become, timeouts)."""
+    result = run_playbook(
+        PLAYBOOK,
+        inventory,
+        {**extravars, "launch_lock_request": lock.request(action, take_over)},
+        env=env,
+        limit=head,
+    )
+    item = result.task_result(head, LOCK_CALL_TASK)
+    # A refused acquire is an answer too (the task fails with the holder in its result).
+    if item is None or (item.status != "ok" and "holder" not in item.result):
+        problems = [*result.unreachable.get(head, []), *result.failed.get(head, [])]
+        text = (problems[-1].message if problems else "") or (result.output or "no answer").strip()[-300:]
+        raise LockError(f"the run's lock on {head} could not be read or changed: {text}")
+    answer = dict(item.result)
+    if action == "acquire" and answer.get("acquired"):
+        lock.held = True
+    elif action == "release" and answer.get("released"):
+        lock.held = False
+    return answer
+
+
+def release_quietly(lock: RunLock, *args: Any) -> str:
+    """Release the lock if held, with Ctrl-C, TERM and HUP ignored meanwhile; '' or the problem."""
+    if not lock.held:
+        return ""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        answer = lock_call(lock, *args, action="release")
+        if not answer.get("released"):
+            lock.held = False  # someone took it over (--force): it is not ours to remove
+        return ""
+    except LockError as err:
+        return str(err)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
