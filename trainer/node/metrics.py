@@ -130,6 +130,7 @@ class _TensorBoard:
         flat = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in hparams.items()}
         for summary in hparams_summary(flat, {}):
             self.writer.file_writer.add_summary(summary)
+        self.where = self.writer.log_dir
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for tag, value in values.items():
@@ -149,6 +150,7 @@ class _Wandb:
             dir=str(output_dir),
             config=hparams,
         )
+        self.where = f"{self.run.dir} ({self.run.settings.mode} mode)"
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
@@ -179,6 +181,7 @@ class _Mlflow:
         self.run_id = self.client.create_run(
             experiment_id, run_name=config.run_name or output_dir.resolve().name
         ).info.run_id
+        self.where = f"{uri} (experiment {config.project!r}, run {self.run_id})"
         params = [Param(key, str(value)) for key, value in hparams.items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])
@@ -309,13 +312,16 @@ class Reporter:
                 continue
             try:
                 if name == "tensorboard":
-                    self._trackers[name] = _TensorBoard(self.output_dir, self.hparams, first_step)
+                    tracker = _TensorBoard(self.output_dir, self.hparams, first_step)
                 elif name == "wandb":
-                    self._trackers[name] = _Wandb(self.output_dir, self.hparams, self.metrics)
+                    tracker = _Wandb(self.output_dir, self.hparams, self.metrics)
                 else:
-                    self._trackers[name] = _Mlflow(self.output_dir, self.hparams, self.metrics)
+                    tracker = _Mlflow(self.output_dir, self.hparams, self.metrics)
             except Exception as err:
                 self._drop_tracker(name, "could not start", err)
+                continue
+            self._trackers[name] = tracker
+            log.info("metrics.report_to: %s writes to %s", name, tracker.where)
 
     def _drop_tracker(self, name: str, what: str, err: Exception) -> None:
         self._trackers.pop(name, None)
