@@ -52,6 +52,10 @@ GOOD_VARS = {
     "training_wheelhouse": "",
     "training_workdir": "",
     "training_env": {"NCCL_IB_HCA": "mlx5_0", "WANDB_API_KEY": {"value": "k", "secret": True}},
+    # Issue 13's variables, set to good values: the control test proves they pass.
+    "training_user_home": "/home/trainer",
+    "cluster_nfs_sec": "krb5p",
+    "ssh_trust_key_from": ["10.77.0.0/24", "!10.77.0.99"],
 }
 
 
@@ -182,7 +186,7 @@ BAD = [
         "training_engine is 'horovod'",
         "ddp, deepspeed, accelerate",
     ),
-    ("bad-zero-stage", _set("training_zero_stage", 4), "training_zero_stage is 4", "0, 1, 2, 3"),
+    ("bad-zero-stage", _set("training_zero_stage", 4), "training_zero_stage is 4", "use one of 1, 2, 3"),
     (
         "bad-nfs-backend",
         _set("nfs_server_backend", "samba"),
@@ -284,3 +288,178 @@ def test_good_inventory_passes_validate_and_then_reaches_the_hosts(tmp_path):
     assert result.returncode != 0  # the hosts do not exist
     assert contacted(tmp_path)
     assert "UNREACHABLE" in output
+
+
+# --- One set of rules: site.yml's validate play and `trainer plan` refuse the same inventories ------
+
+#: Values found to get through before (issue 15) or left unchecked (issue 13): each reached a config
+#: file or shell line (exports, chrony.conf, run.sh, the DeepSpeed hostfile, fstab, authorized_keys).
+REPRODUCTIONS = [
+    (
+        "shared-dir-opens-the-export",
+        _set("cluster_shared_dir", "/srv/share *(rw,no_root_squash,insecure)"),
+        "cluster_shared_dir is '/srv/share *(rw,no_root_squash,insecure)': whitespace, quotes, parentheses",
+    ),
+    ("shared-dir-is-root", _set("cluster_shared_dir", "/"), "cluster_shared_dir is /, the whole file system"),
+    (
+        "shared-dir-climbs",
+        _set("cluster_shared_dir", "/srv/.."),
+        "cluster_shared_dir is '/srv/..', which climbs",
+    ),
+    ("venv-with-space", _set("training_venv", "/opt/my venv"), "training_venv is '/opt/my venv': whitespace"),
+    (
+        "workdir-with-quote",
+        _set("training_workdir", "/srv/x'y"),
+        'training_workdir is "/srv/x\'y": whitespace',
+    ),
+    ("data-path-with-newline", _set("cluster_data_path", "/srv/d\nx"), "cluster_data_path is '/srv/d"),
+    (
+        "ntp-server-with-newline",
+        _set("cluster_ntp_servers", ["ntp1.example.internal\nallow 0.0.0.0/0"]),
+        "not a host name or IP address; fix: write a YAML list of host names or addresses",
+    ),
+    (
+        "ntp-servers-not-a-list",
+        _set("cluster_ntp_servers", "ntp1"),
+        "cluster_ntp_servers is 'ntp1', not a list",
+    ),
+    (
+        "host-name-with-newline",
+        lambda hosts, cluster_vars, head, workers: _rename(hosts, workers, "node-c", "node-c\nevil"),
+        "cannot be written into run.sh, known_hosts or ssh_config",
+    ),
+    (
+        "cluster-ip-with-newline",
+        _host("node-a", "cluster_ip", "127.0.0.1\nevil slots=64"),
+        "host node-a: cluster_ip is '127.0.0.1",
+    ),
+    ("zero-stage-0", _set("training_zero_stage", 0), "training_zero_stage is 0; fix: use one of 1, 2, 3"),
+    ("timeout-below-the-trainer-minimum", _set("cluster_nccl_timeout_s", 5), "cluster_nccl_timeout_s is 5"),
+    ("user-home-is-root", _set("training_user_home", "/"), "training_user_home is /, the whole file system"),
+    (
+        "user-home-relative",
+        _set("training_user_home", "home/trainer"),
+        "training_user_home is 'home/trainer', not an absolute path",
+    ),
+    ("user-home-with-space", _set("training_user_home", "/home/a b"), "training_user_home is '/home/a b'"),
+    (
+        "nfs-sec-unknown",
+        _set("cluster_nfs_sec", "sys,rw"),
+        "cluster_nfs_sec is 'sys,rw'; fix: use one of sys, krb5, krb5i, krb5p",
+    ),
+    (
+        "key-from-with-quote",
+        _set("ssh_trust_key_from", ['10.77.0.0/24",command="id']),
+        "ssh_trust_key_from has '10.77.0.0/24\",command=\"id'",
+    ),
+    (
+        "key-from-a-string",
+        _set("ssh_trust_key_from", "10.77.0.0/24"),
+        "ssh_trust_key_from is '10.77.0.0/24', not a non-empty list",
+    ),
+    (
+        "key-from-anywhere",
+        _set("ssh_trust_key_from", ["*"]),
+        "lets a copy of the cluster key log in from anywhere",
+    ),
+    (
+        "bad-interface",
+        _set("cluster_nccl_socket_ifname", "eth0; id"),
+        "cluster_nccl_socket_ifname is 'eth0; id'",
+    ),
+]
+
+
+def _rename(hosts, workers, old, new):
+    hosts[new] = hosts.pop(old)
+    workers[workers.index(old)] = new
+
+
+def plan_problems(inventory: Path, capsys) -> tuple[int, list[str]]:
+    """`trainer plan --json`'s exit code and the problems it lists (one per indented line)."""
+    from trainer.cli import main
+
+    code = main(["plan", "-i", str(inventory), "--json"])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, [line.strip() for line in captured.err.splitlines() if line.startswith("  ")]
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"), [c[1:] for c in REPRODUCTIONS], ids=[c[0] for c in REPRODUCTIONS]
+)
+def test_site_and_plan_refuse_the_same_inventory_with_the_same_message(tmp_path, capsys, change, expected):
+    hosts, cluster_vars = copy.deepcopy(GOOD_HOSTS), copy.deepcopy(GOOD_VARS)
+    head, workers = ["node-a"], ["node-b", "node-c"]
+    change(hosts, cluster_vars, head, workers)
+    inventory = write_inventory(tmp_path, hosts, cluster_vars, head, workers)
+    before = sorted(tmp_path.rglob("*"))
+
+    code, problems = plan_problems(inventory, capsys)
+    assert code == 2, problems
+    assert any(expected in p for p in problems), problems
+    assert all("fix:" in p for p in problems), problems
+    assert sorted(tmp_path.rglob("*")) == before, "trainer plan wrote a file"
+
+    result = run_site(inventory)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Inventory check failed before touching any host" in output, output
+    for problem in problems:  # word for word: Ansible prints the list of messages as Python reprs
+        assert repr(problem) in output, (problem, output)
+    assert "PLAY [Training account" not in output
+    assert not contacted(tmp_path)
+
+
+def test_plan_lists_every_problem_at_once(tmp_path, capsys):
+    cluster_vars = dict(
+        GOOD_VARS,
+        cluster_shared_dir="/",
+        cluster_nfs_sec="none",
+        training_user_home="~trainer",
+        cluster_master_port=22,
+    )
+    inventory = write_inventory(
+        tmp_path, copy.deepcopy(GOOD_HOSTS), cluster_vars, ["node-a"], ["node-b", "node-c"]
+    )
+    code, problems = plan_problems(inventory, capsys)
+    assert code == 2
+    for var in ("cluster_shared_dir", "cluster_nfs_sec", "training_user_home", "cluster_master_port"):
+        assert any(f"hosts node-a, node-b, node-c: {var} is" in p for p in problems), (var, problems)
+
+
+def test_plan_accepts_the_good_inventory(tmp_path, capsys):
+    """The control for the plan half: the same good inventory site.yml passes is planned (exit 0)."""
+    from trainer.cli import main
+
+    inventory = write_inventory(
+        tmp_path, copy.deepcopy(GOOD_HOSTS), copy.deepcopy(GOOD_VARS), ["node-a"], ["node-b", "node-c"]
+    )
+    assert main(["plan", "-i", str(inventory), "--json"]) == 0, capsys.readouterr().err
+    assert '"master_addr": "10.77.0.10"' in capsys.readouterr().out
+
+
+def test_the_rules_accept_what_the_trainer_accepts():
+    """One source of truth: the ZeRO stages, engines and shortest timeout the inventory rules allow
+    are exactly those the trainer's own config loader allows (the rules cannot import it: no torch
+    on a controller, no project dependencies in Ansible's filter plugin)."""
+    from trainer.configerror import ConfigError
+    from trainer.controller import inventory_rules
+    from trainer.controller.launcher import plan
+    from trainer.node.config import load_config
+
+    def trainer_accepts(*sets: str) -> bool:
+        try:
+            load_config(None, list(sets))
+        except ConfigError:
+            return False
+        return True
+
+    engine = "distributed.engine=deepspeed"
+    stages = [s for s in range(-1, 6) if trainer_accepts(engine, f"distributed.zero_stage={s}")]
+    assert tuple(stages) == inventory_rules.ZERO_STAGES
+    candidates = ("ddp", "deepspeed", "accelerate", "fsdp", "horovod", "megatron")
+    engines = [e for e in candidates if trainer_accepts(f"distributed.engine={e}")]
+    assert tuple(engines) == inventory_rules.ENGINES == plan.ENGINES
+    shortest = next(t for t in range(0, 100) if trainer_accepts(f"distributed.timeout_s={t}"))
+    assert shortest == inventory_rules.MIN_TIMEOUT_S

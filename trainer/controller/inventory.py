@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.controller import access
+from trainer.controller import access, inventory_rules
 
 HEAD_GROUP = "head"
 WORKERS_GROUP = "workers"
@@ -114,7 +114,10 @@ def load_host_vars(inventory: str | os.PathLike[str]) -> tuple[dict[str, list[st
             try:  # one variable at a time, so an error names the variable
                 rendered[host.name][key] = _to_plain(templar.template(value))
             except Exception as err:  # AnsibleError, vault errors: named, not a traceback
-                problems.setdefault(access.describe_unrenderable(key, err), []).append(host.name)
+                problem = access.describe_unrenderable(key, err)
+                if "fix:" not in problem:
+                    problem += "; fix: correct the template in its value, or define the variables it uses"
+                problems.setdefault(problem, []).append(host.name)
     if problems:
         raise InventoryError(
             f"inventory {inventory}: "
@@ -167,8 +170,17 @@ def _check_yaml_syntax(loader: Any, inventory: Path) -> None:
 
 
 def load_cluster(inventory: str | os.PathLike[str]) -> Cluster:
-    """Load the inventory and check the one rule everything else depends on: exactly one head."""
+    """Load the inventory and check it with the rules site.yml's validate play applies
+    (trainer.controller.inventory_rules, for a launch); raises InventoryError listing every problem
+    before anything is written or any host is contacted."""
     groups, host_vars = load_host_vars(inventory)
+    problems = inventory_rules.cluster_problems(host_vars, groups, inventory_rules.LAUNCH)
+    if problems:
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise InventoryError(
+            f"inventory {inventory}: {count}, nothing was started or changed:\n"
+            + "\n".join(f"  {problem}" for problem in problems)
+        )
     heads = groups.get(HEAD_GROUP, [])
     if len(heads) != 1:
         found = ", ".join(heads) if heads else "none"

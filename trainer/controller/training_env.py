@@ -189,18 +189,37 @@ def parse_env_options(items: Sequence[str], environ: Mapping[str, str] | None = 
     return ExtraEnv(values, frozenset(n for n in values if looks_secret(n)))
 
 
+#: A path on the nodes or the controller: absolute, and only these characters (no whitespace, quotes,
+#: parentheses, `*`, `,` or control characters), so it can be written into exports, fstab and shell
+#: lines unchanged. trainer.controller.inventory_rules applies it to every path in the inventory.
+PATH = re.compile(r"/[A-Za-z0-9._+@=~/-]*")
+PATH_FIX = "use an absolute path of letters, digits and . _ - + @ = ~ / only"
+
+
+def path_problem(value: Any, example: str) -> str | None:
+    """Why `value` is not a usable absolute path, starting with "is" (the caller names the variable)."""
+    if not isinstance(value, str) or not value.startswith("/"):
+        return f"is {value!r}, not an absolute path; fix: give the full path starting with /, e.g. {example}"
+    if not PATH.fullmatch(value):
+        return (
+            f"is {value!r}: whitespace, quotes, parentheses, '*', ',' or control characters could end "
+            f"up in the config files and shell lines it is written to; fix: {PATH_FIX}"
+        )
+    if ".." in value.split("/"):
+        return f"is {value!r}, which climbs with '..'; fix: write the path without '..', e.g. {example}"
+    if os.path.normpath(value) == "/":
+        return f"is /, the whole file system; fix: use a dedicated directory such as {example}"
+    return None
+
+
 def workdir_problem(value: Any, source: str = "training_workdir") -> str | None:
     """Why `value` cannot be the directory the command runs in ('' or unset = the shared dir)."""
     if value in (None, ""):
         return None
-    if not isinstance(value, str) or not value.startswith("/"):
-        return (
-            f"{source} is {value!r}, not an absolute path; fix: give the directory on the nodes "
-            "(e.g. /srv/clustertrain/shared/code) or '' for the shared dir"
-        )
-    if "\0" in value or "\n" in value:
-        return f"{source} contains a NUL or newline character; fix: use a plain path"
-    return None
+    problem = path_problem(value, "/srv/clustertrain/shared/code")
+    if problem and not (isinstance(value, str) and value.startswith("/")):
+        problem += " (or '' for the shared dir)"
+    return f"{source} {problem}" if problem else None
 
 
 def ib_disable_problem(value: Any) -> str | None:
