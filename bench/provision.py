@@ -7,6 +7,8 @@ Runs, in one go:
   2. idempotent:  the same again, nothing left to change;
   3. defaults:    the idempotent run with Ansible's defaults (an empty config: forks 5, implicit
                   gathering in every play, memory fact cache, no pipelining).
+  4. mitogen:     the idempotent run with Mitogen's `mitogen_linear` strategy, when the `mitogen`
+                  package is installed (opt-in; `pip install mitogen`), else said and skipped.
 With --each, one more idempotent run per setting, each with only that setting back at its default,
 so the output says what each one buys. Prints seconds and the ratios.
 
@@ -79,6 +81,16 @@ def run_site(label: str, env_changes: dict[str, str], fact_cache: Path) -> float
     return seconds
 
 
+def mitogen_strategy_env() -> dict[str, str] | None:
+    """The environment that runs site.yml under Mitogen's strategy, or None without the package."""
+    try:
+        import ansible_mitogen  # optional: only this measurement needs it
+    except ImportError:
+        return None
+    plugins = Path(ansible_mitogen.__file__).parent / "plugins" / "strategy"
+    return {"ANSIBLE_STRATEGY": "mitogen_linear", "ANSIBLE_STRATEGY_PLUGINS": str(plugins)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -93,11 +105,18 @@ def main() -> int:
             set_status("down")
             molecule("destroy")
             molecule("create")
+            molecule("prepare")  # the bed's access set-up (ops on port 2222, admin with sudo)
             results["cold"] = run_site("cold site.yml (tuned ansible.cfg)", {}, fact_cache)
         results["idempotent"] = run_site("idempotent site.yml (tuned)", {}, fact_cache)
         with tempfile.NamedTemporaryFile("w", suffix=".cfg") as empty_cfg:
             defaults_env = {"ANSIBLE_CONFIG": empty_cfg.name, "ANSIBLE_ROLES_PATH": str(REPO / "roles")}
             results["defaults"] = run_site("idempotent site.yml (Ansible defaults)", defaults_env, fact_cache)
+        mitogen_env = mitogen_strategy_env()
+        if mitogen_env is None:
+            print("mitogen: not installed (pip install mitogen); its run is skipped", flush=True)
+        else:
+            label = "idempotent site.yml (tuned + mitogen_linear)"
+            results["mitogen"] = run_site(label, mitogen_env, fact_cache)
         if args.each:
             for name, env_changes in SETTINGS.items():
                 results[name] = run_site(f"idempotent, without {name}", env_changes, fact_cache)
@@ -106,6 +125,8 @@ def main() -> int:
     if "cold" in results:
         print(f"cold / idempotent:          {results['cold'] / results['idempotent']:.2f}x")
     print(f"defaults / tuned (idempotent): {results['defaults'] / results['idempotent']:.2f}x")
+    if "mitogen" in results:
+        print(f"tuned / tuned + mitogen (idempotent): {results['idempotent'] / results['mitogen']:.2f}x")
     for name in SETTINGS:
         if name in results:
             print(f"  {name}: saves {results[name] - results['idempotent']:+.1f} s per idempotent run")
