@@ -45,7 +45,10 @@ def tracked_run(tmp_path_factory):
         output_dir,
     )
     assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
-    assert "metrics.report_to" not in run.stderr, run.stderr[-4000:]  # no tracker gave up
+    assert "WARNING trainer.node.metrics" not in run.stderr, run.stderr[-4000:]  # no tracker gave up
+    for where in (f"tensorboard writes to {output_dir}/tensorboard", f"wandb writes to {output_dir}/wandb/"):
+        assert f"rank 0 INFO trainer.node.metrics: metrics.report_to: {where}" in run.stderr
+    assert f"mlflow writes to {(output_dir / 'mlruns').as_uri()} (experiment 'tracked'" in run.stderr
     return run
 
 
