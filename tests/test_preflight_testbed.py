@@ -102,7 +102,8 @@ def chrony_synchronised(host: str) -> bool:
 
 
 def nfs_answers(host: str) -> bool:
-    url = "nfs://10.89.42.10/var/tmp/clustertrain-testbed/shared?version=4"
+    # As the training uid: the share is 2770, so root (squashed to nobody) may not list it.
+    url = "nfs://10.89.42.10/var/tmp/clustertrain-testbed/shared?version=4&uid=2000&gid=2000"
     return on(host, "nfs-ls", url, check=False).returncode == 0
 
 
