@@ -46,6 +46,8 @@ def tracked_run(tmp_path_factory):
     )
     assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
     assert "WARNING trainer.node.metrics" not in run.stderr, run.stderr[-4000:]  # no tracker gave up
+    steps = [line.split(" loss ")[0] for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert steps == ["step 1/6", "step 2/6", "step 4/6", "step 6/6"]  # the launcher's lines, unwrapped
     for where in (f"tensorboard writes to {output_dir}/tensorboard", f"wandb writes to {output_dir}/wandb/"):
         assert f"rank 0 INFO trainer.node.metrics: metrics.report_to: {where}" in run.stderr
     assert f"mlflow writes to {(output_dir / 'mlruns').as_uri()} (experiment 'tracked'" in run.stderr

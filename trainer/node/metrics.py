@@ -149,6 +149,8 @@ class _Wandb:
             name=config.run_name or output_dir.resolve().name,
             dir=str(output_dir),
             config=hparams,
+            # Our stdout is the step lines the launcher parses: W&B does not wrap or copy it.
+            settings=wandb.Settings(console="off"),
         )
         self.where = f"{self.run.dir} ({self.run.settings.mode} mode)"
 
