@@ -325,6 +325,8 @@ def test_attach_follows_a_launch_whose_launcher_was_killed(loopback, tmp_path):
     assert status.returncode == 0, status.stdout + status.stderr
     assert "[node0] node 0: running" in status.stdout and "[node1] node 1: running" in status.stdout
     assert "launch orphan-" in status.stdout
+    assert f"lock: held by trainer launch pid {launcher.pid} on " in status.stdout, status.stdout
+    assert "(no longer running: a new launch needs --force)" in status.stdout, status.stdout
     attach = subprocess.run(
         [sys.executable, "-m", "trainer", "attach", "-i", str(inventory), "--run-name", "orphan"],
         capture_output=True,

@@ -1,10 +1,10 @@
 """`trainer status -i INVENTORY [--run-name NAME]`: where a launch stands, read from the nodes.
 
 Each node's state (running, exited with its code, killed, nothing started), the step its ranks are
-in (the bundled trainer), its last log lines, and what started it (`launch.json` on every node:
-launch id, attempt, the controller and launcher pid, the watch settings). Nothing on the nodes
-changes. The head is read first: after `--exclude-failed` the launch's nodes and ranks are the
-ones it recorded there, not the inventory's.
+in (the bundled trainer), its last log lines, what started it (`launch.json` on every node: launch
+id, attempt, the controller and launcher pid, the watch settings), and who holds the run's lock
+(runlock.py) if anyone does. Nothing on the nodes changes. The head is read first: after
+`--exclude-failed` the launch's nodes and ranks are the ones it recorded there, not the inventory's.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import InventoryError
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError, make_plan
+from trainer.controller.launcher.runlock import describe_holder, holder_state
 from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.runner import PlaybookResult, run_playbook
 
@@ -148,6 +149,15 @@ def run(args: argparse.Namespace) -> int:
         f"run {plan.run_name}: launch {info.get('launch_id')} (attempt {info.get('attempt', 1)}) of {what} "
         f"on {len(nodes)} node(s), started {started} by {follower}"
     )
+    lock = (head_report or {}).get("lock")
+    if lock:
+        state = holder_state(lock)
+        print(
+            f"lock: held by {describe_holder(lock)}"
+            + {"alive": " (still running)", "dead": " (no longer running: a new launch needs --force)"}.get(
+                state, ""
+            )
+        )
     left_out = [n.host for n in plan.topology.nodes if n.host not in nodes]
     if left_out:
         print(f"left out of this launch: {', '.join(left_out)}")

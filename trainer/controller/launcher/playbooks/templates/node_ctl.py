@@ -246,6 +246,8 @@ def status(node_dir: Path, offset: int | None = None, tail: int = 0, wait: float
         "time": time.time(),
         # Read once the trainer has ended (a poll of a running one needs none of it).
         "errors": rank_errors(node_dir) if state in ("exited", "vanished") else [],
+        # The run's lock (on the head): for `trainer status`, not for every poll of a watch.
+        "lock": _read_json(node_dir.parent / "lock") if offset is None else None,
     }
 
 
