@@ -367,6 +367,21 @@ REPRODUCTIONS = [
         _set("cluster_nccl_socket_ifname", "eth0; id"),
         "cluster_nccl_socket_ifname is 'eth0; id'",
     ),
+    (
+        "ansible-host-an-ssh-option",
+        _host("node-b", "ansible_host", "-oProxyCommand=id"),
+        "host node-b: ansible_host is '-oProxyCommand=id', not a host name or IP address",
+    ),
+    (
+        "ssh-sources-a-ufw-clause",
+        _set("firewall_ssh_sources", ["10.0.0.0/8 proto udp"]),
+        "firewall_ssh_sources has '10.0.0.0/8 proto udp', not an address or CIDR",
+    ),
+    (
+        "ssh-port-zero",
+        _set("firewall_ssh_port", 0),
+        "firewall_ssh_port is 0; fix: use a port number from 1 to 65535",
+    ),
 ]
 
 

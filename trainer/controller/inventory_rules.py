@@ -4,7 +4,8 @@ Two callers apply these rules, so they cannot drift: site.yml's validate play (t
 filter plugin imports this module and runs it on the controller before any host is contacted) and
 `trainer plan/launch/preflight` (trainer.controller.inventory.load_cluster runs it before anything
 is written or any host is contacted). Standard library only: the filter plugin imports it from the
-checkout, without the rest of the project's dependencies.
+checkout, without the rest of the project's dependencies. Its one import, training_env, holds the
+rules this module shares with the command line (`--env`, the path rule used for training_workdir).
 
 Each message names the host(s), the variable, what is wrong and the fix; all problems are reported
 at once, so one edit-and-rerun cycle fixes them all. A value that reaches a shell line, a template
@@ -14,8 +15,8 @@ a name or an address is expected.
 
 Two purposes: PROVISION (site.yml) applies every rule; LAUNCH (plan/launch/preflight) applies every
 rule on the values that are set, and the group layout, but not what only provisioning needs (the
-variables the roles require, one address per host, the account ids): a launch inventory may be a
-minimal one, or put several loopback "nodes" on one machine.
+variables the roles require, one address per host, equal GPU counts, the new account's name and
+ids): a launch inventory may be a minimal one, or put several loopback "nodes" on one machine.
 """
 
 from __future__ import annotations
@@ -340,6 +341,24 @@ def _is_world_network(entry: str) -> bool:
         return False
 
 
+def _ssh_sources(value: Any) -> str | None:
+    fix = "write a YAML list of addresses and CIDRs, e.g. [10.20.0.0/24, 192.0.2.7], or [any]"
+    if not isinstance(value, list) or not value:
+        return f"is {value!r}, not a non-empty list; fix: {fix}"
+    bad = [e for e in value if e != "any" and _network_problem(e)]
+    if bad:
+        return f"has {', '.join(repr(e) for e in bad)}, not an address or CIDR; fix: {fix}"
+    return None
+
+
+def _network_problem(value: Any) -> bool:
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except (TypeError, ValueError):
+        return True
+    return not isinstance(value, str)
+
+
 def _timeout(value: Any) -> str | None:
     if (_as_int(value) or 0) >= MIN_TIMEOUT_S:
         return None
@@ -550,6 +569,8 @@ VALUE_RULES: tuple[tuple[str, Check], ...] = (
     ("cluster_nccl_timeout_s", _timeout),
     ("ssh_trust_key_from", _key_from),
     ("ssh_trust_port", _port_or_auto),
+    ("firewall_ssh_port", _port(1)),
+    ("firewall_ssh_sources", _ssh_sources),
 )
 
 
