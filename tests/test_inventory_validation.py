@@ -478,3 +478,38 @@ def test_the_rules_accept_what_the_trainer_accepts():
     assert tuple(engines) == inventory_rules.ENGINES == plan.ENGINES
     shortest = next(t for t in range(0, 100) if trainer_accepts(f"distributed.timeout_s={t}"))
     assert shortest == inventory_rules.MIN_TIMEOUT_S
+
+
+def test_launch_and_preflight_refuse_like_plan_and_write_nothing(tmp_path, capsys, monkeypatch):
+    """`trainer launch` and `trainer preflight` load the inventory through the same rules: exit 2
+    with the same problems, before a run directory, a report or a cache file is written."""
+    from trainer.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / ".cache"))
+    hosts = copy.deepcopy(GOOD_HOSTS)
+    hosts["node-a"]["cluster_ip"] = "127.0.0.1\nevil slots=64"
+    cluster_vars = dict(GOOD_VARS, cluster_shared_dir="/", training_user_home="/home/a b")
+    inventory = write_inventory(tmp_path, hosts, cluster_vars, ["node-a"], ["node-b", "node-c"])
+    code, planned = plan_problems(inventory, capsys)
+    assert code == 2 and len(planned) == 3, planned
+    # Ansible makes its own empty local temp dir (~/.ansible/tmp) when it loads; nothing else may appear.
+    before = _files_but_ansibles(tmp_path)
+
+    report = tmp_path / "reports" / "preflight.json"
+    for argv in (
+        ["launch", "-i", str(inventory)],
+        ["preflight", "-i", str(inventory), "--report", str(report)],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert [line.strip() for line in err.splitlines() if line.startswith("  ")] == planned, err
+    assert _files_but_ansibles(tmp_path) == before, "a file was written"
+    assert not report.parent.exists()
+    assert not contacted(tmp_path)
+
+
+def _files_but_ansibles(root: Path) -> list[Path]:
+    ansibles = root / "home" / ".ansible"
+    return sorted(p for p in root.rglob("*") if p != ansibles and ansibles not in p.parents)
