@@ -5,14 +5,17 @@ latest checkpoint when asked to (`--max-restarts`).
 Every step on the nodes goes through trainer.controller.runner (ansible-runner) and the launch_node
 action plugin (playbooks/action_plugins/launch_node.py): one round trip per step and node, each
 with a timeout, no module built or copied.
-- start.yml probes every node (user, venv, the interface for NCCL/gloo, InfiniBand devices, the
-  master port, no run of the same name still running, the command's working directory and
-  program), then on every node at once keeps the previous launch's logs, writes the run's files and
-  run.sh and starts it detached in its own process group, then follows each node: a long poll that
-  answers as soon as there are new lines (rank 0's are shown, plus a state line per host), streamed
-  through the runner's channel rather than as Ansible events;
+- start.yml takes the run's lock on the head (runlock.py: one launcher per run name; a second
+  launch is refused before its probe, `--force` takes over a dead launcher's lock), probes every
+  node (user, venv, the interface for NCCL/gloo, InfiniBand devices, the master port, no run of the
+  same name still running, the command's working directory and program), then on every node at
+  once keeps the previous launch's logs, writes the run's files and run.sh and starts it detached
+  in its own process group, then follows each node: a long poll that answers as soon as there are
+  new lines (rank 0's are shown, plus a state line per host), streamed through the runner's channel
+  rather than as Ansible events; after a clean end on every node it releases the lock;
 - stop.yml stops the process group on every node (with each rank's stack first after a stall). It
-  runs as soon as any host fails, on Ctrl-C, TERM or HUP, and with `--stop`.
+  runs as soon as any host fails, on Ctrl-C, TERM or HUP, and with `--stop`; the last stop of a
+  launch (no restart follows) releases the lock.
 
 A node that stops answering is shown as `unreachable (Ns)` while its trainer keeps running; it is
 failed only after `--unreachable-grace` seconds. No rank advancing a step (the bundled trainer) or
@@ -21,7 +24,8 @@ the ranks that were behind. With `--max-restarts K`, a failed run (a trainer's e
 node, a GPU fault, a stall) is stopped everywhere and started again up to K times; the bundled
 trainer resumes from the latest complete checkpoint. `--exclude-failed` leaves out a node that
 failed twice when the rest still divide the effective batch. Each restart is a line here and a
-record in `<run>/launch/history.jsonl`.
+record in `<run>/launch/history.jsonl`. A failure names its root cause when a rank left an error
+file (live.root_cause: torch's @record under torchrun's --log-dir).
 """
 
 from __future__ import annotations
