@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 from finetune_harness import chat_data, finetune_sets, hf_cache, tiny_model  # noqa: F401
@@ -120,6 +121,18 @@ def test_trainer_report_redraws_a_run_and_refuses_a_dir_without_metrics(two_node
     assert done.returncode == 2
     assert f"trainer report: {empty} has no metrics.jsonl" in done.stderr
     assert list(empty.iterdir()) == []
+    # Without matplotlib (blocked in a fresh interpreter, as if not installed): the fix, exit 2.
+    blocked = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from trainer.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", blocked, "report", str(copy)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert (
+        "trainer report: needs matplotlib, which is not installed here: pip install matplotlib" in done.stderr
+    )
 
 
 def test_fine_tuning_reports_its_eval_loss_through_the_same_reporter(tiny_model, chat_data, tmp_path):  # noqa: F811

@@ -161,6 +161,14 @@ def run(args: argparse.Namespace) -> int:
         return exitcodes.CONFIG_ERROR
     try:
         written = write_report(run_dir)
+    except ModuleNotFoundError as err:
+        print(
+            f"trainer report: needs {(err.name or 'matplotlib').split('.')[0]}, which is not installed here: "
+            "pip install matplotlib "
+            "(a dependency of clustertrain)",
+            file=sys.stderr,
+        )
+        return exitcodes.CONFIG_ERROR
     except OSError as err:
         print(f"trainer report: cannot write the report in {run_dir}: {err}", file=sys.stderr)
         return exitcodes.FAILURE
