@@ -233,6 +233,10 @@ FOREIGN_NAMES: dict[str, str] = {
     "lora_target_modules": "lora.target_modules",
     "lora_target": "lora.target_modules",
     "ddp_timeout": "distributed.timeout_s",
+    "report_to": "metrics.report_to",
+    "run_name": "metrics.run_name",
+    "wandb_project": "metrics.project",
+    "wandb_name": "metrics.run_name",
 }
 
 
