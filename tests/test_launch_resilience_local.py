@@ -345,6 +345,54 @@ def test_attach_follows_a_launch_whose_launcher_was_killed(loopback, tmp_path):
     assert not list((tmp_path / "tmpdir").glob("clustertrain-runner-*"))
 
 
+def test_attach_restarts_a_failed_run_within_the_launchs_max_restarts(loopback, tmp_path):
+    inventory, shared = loopback
+    env = run_env(tmp_path)
+    run = shared / "runs" / "adopted"
+    steps = ["--set", "train.max_steps=30", *TINY]
+    launcher = subprocess.Popen(
+        launch_command(inventory, "--run-name", "adopted", "--max-restarts", "1", *steps),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
+    finally:
+        launcher.kill()  # -9: the launch's --max-restarts 1 is left to attach
+        launcher.wait()
+    attach = subprocess.Popen(
+        [sys.executable, "-m", "trainer", "attach", "-i", str(inventory), "--run-name", "adopted"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        lock = run / "launch" / "lock"
+        wait_for(
+            lambda: lock.exists() and json.loads(lock.read_text())["pid"] == attach.pid,
+            "adoption",
+            proc=attach,
+        )
+        victims = wait_for(lambda: _trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=attach)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = attach.communicate(timeout=600)
+    finally:
+        if attach.poll() is None:
+            attach.kill()
+    assert attach.returncode == 0, out
+    assert "this launch had --max-restarts 1 (0 used): attach restarts each node's run.sh" in out, out
+    assert "restart 1 of 1: node1 failed" in out and "relaunching from the latest checkpoint (step-" in out, (
+        out
+    )
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] and summary["final_step"] == 30
+    assert [r["event"] for r in history(run)][-2:] == ["stopped", "restart"], history(run)
+    assert not (run / "launch" / "lock").exists(), "attach released the lock at the end"
+
+
 def _tree_rss_kb(pid: int) -> int:
     """Resident memory of the launcher and its ansible-playbook processes (not the short-lived
     commands each poll runs)."""

@@ -12,11 +12,14 @@ verifiably dead (a launcher of this controller whose pid no longer runs) or when
 second launch of the run starts while it follows, and releases it when the run ends (the next launch
 then needs no --force); a holder that still runs, or one on another controller, keeps its lock.
 
-Restarts: attach does not relaunch, whatever --max-restarts the launch had (launch.json records it,
-and how many were used). A relaunch needs what only the launch's command line had: the trainer
-config, its --set values and the --env variables, secrets included, none of which is kept on the
-controller. On a failure that the launcher would have restarted, attach says so and gives the
-`trainer launch` command to run: the bundled trainer resumes from the latest checkpoint.
+Restarts: launch.json records the launch's --max-restarts and the restarts used. When attach holds
+the lock (the launcher that started the run is dead), it honours what is left: on a failure it
+stops every node and starts each node's run.sh again as the launcher wrote it (with its secret
+variables and the run's files, as they are on the shared dir: attach has not the launch's config,
+--set and --env to write them anew), so the bundled trainer resumes from the latest checkpoint.
+--exclude-failed is not applied (leaving a node out needs a new plan from that config). When the
+lock stays with a launcher that runs, or one that cannot be checked, attach does not restart (that
+launcher restarts the run itself, if it runs); it says what to run.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import InventoryError, load_cluster
 from trainer.controller.launcher.launch import (
+    INTERRUPTED,
     Launcher,
     add_watch_arguments,
     install_signal_handlers,
@@ -90,19 +94,35 @@ def run(args: argparse.Namespace) -> int:
         )
     install_signal_handlers(view)
     adopt_lock(launcher, view)
+    max_restarts, used = int(info.get("max_restarts") or 0), int(info.get("restarts") or 0)
+    launcher.max_restarts, launcher.restarts = max_restarts, used
+    may_restart = launcher.lock.held and used < max_restarts
+    # The lock stays held through the follow's stop when a restart may come.
+    launcher.final_attempt = not may_restart
     try:
         outcome = launcher.attempt(view, {}, attach=True)
+        if outcome.code in (exitcodes.OK, INTERRUPTED) or not outcome.restartable:
+            return outcome.code
+        if may_restart:
+            launcher.reuse_node_files = True
+            view.message(
+                f"this launch had --max-restarts {max_restarts} ({used} used): attach restarts each node's "
+                "run.sh as the launcher wrote it"
+            )
+            return launcher.restart_after(view, outcome, max_restarts, used)
+        if used < max_restarts:
+            view.message(
+                f"not restarted by attach: the run's lock is not this attach's (its launcher may still "
+                f"run and restart it); if it is dead, relaunch with `trainer launch -i {args.inventory} "
+                f"--run-name {args.run_name} --max-restarts {max_restarts - used}` and the launch's other "
+                "options: the bundled trainer resumes from the latest checkpoint"
+            )
+        return outcome.code
+    except KeyboardInterrupt:
+        view.message(f"interrupted between two attempts: nothing of run {args.run_name} runs")
+        return INTERRUPTED
     finally:
         launcher.release_lock(view)
-    left = int(info.get("max_restarts") or 0) - int(info.get("restarts") or 0)
-    if outcome.restartable and left > 0:
-        view.message(
-            f"not restarted: this launch had --max-restarts {info.get('max_restarts')} ({left} left), but "
-            "attach does not relaunch (it has not the launch's config, --set and --env). Relaunch with "
-            f"`trainer launch -i {args.inventory} --run-name {args.run_name} --max-restarts {left}` and the "
-            "launch's other options: the bundled trainer resumes from the latest checkpoint"
-        )
-    return outcome.code
 
 
 def adopt_lock(launcher: Launcher, view: LiveView) -> None:

@@ -137,6 +137,10 @@ class Launcher:
         self.restarts = 0
         #: No restart can follow this attempt: its stop releases the lock.
         self.final_attempt = True
+        #: Restart with the run.sh, secret variables and run files the nodes already have (`trainer
+        #: attach`, which has not the launch's config, --set and --env): nothing is written but the
+        #: new launch id, the launch record and this helper.
+        self.reuse_node_files = False
         # One fork per host: the watch polls every host at once (the default of 5 would not).
         # ansible.cfg of the current directory is not read for these playbooks' settings that matter
         # here, so they are set outright.
@@ -240,6 +244,7 @@ class Launcher:
             "launch_lock_request": self.lock.request("acquire"),
             "launch_release_lock": False,
             "launch_release_lock_when_done": True,
+            "launch_reuse": False,
             **extra,
         }
 
@@ -406,10 +411,14 @@ class Launcher:
                 f"in {plan.launch_dir}/node-N/log"
             )
             extravars = self.extravars(
-                launch_files=self.files,
+                launch_files={} if self.reuse_node_files else self.files,
                 launch_info=self.info(),
                 launch_record={**record, "launch_id": self.launch_id, "attempt": self.attempt_number},
+                launch_reuse=self.reuse_node_files,
             )
+            if self.reuse_node_files:
+                for node in extravars["launch_nodes"].values():
+                    node["secret_env"], node["run_sh"] = {}, ""
         interrupted = False
         with view:
             try:
@@ -711,24 +720,35 @@ class Launcher:
             self.env,
         )
 
+    def restart_after(self, view: LiveView, outcome: Outcome, max_restarts: int, restarts: int) -> int:
+        """`trainer attach`: go on from a failed attempt it followed as the launcher would have, with
+        the launch's --max-restarts and the restarts it had used (no --exclude-failed: no replan)."""
+        return self._launch(view, max_restarts, False, None, first=outcome, restarts=restarts)
+
     def _launch(
         self,
         view: LiveView,
         max_restarts: int,
         exclude_failed: bool,
         replan: Callable[[set[str], list[str]], JobPlan] | None,
+        *,
+        first: Outcome | None = None,
+        restarts: int = 0,
     ) -> int:
+        """The attempts; with `first`, the outcome of an attempt already made (`trainer attach`'s)
+        after `restarts` restarts of the launch."""
         failures: Counter[str] = Counter()
         excluded: set[str] = set()
-        restarts = 0
         record: dict[str, Any] = {
             "event": "launch",
             "nodes": {n.host: n.node_rank for n in self.plan.topology.nodes},
         }
         while True:
-            self.restarts = restarts
-            self.final_attempt = restarts >= max_restarts
-            outcome = self.attempt(view, record)
+            outcome, first = first, None
+            if outcome is None:
+                self.restarts = restarts
+                self.final_attempt = restarts >= max_restarts
+                outcome = self.attempt(view, record)
             if outcome.code in (exitcodes.OK, INTERRUPTED):
                 return outcome.code
             for host in outcome.hosts:

@@ -82,7 +82,7 @@ def launcher_alive(info: dict[str, Any]) -> bool:
         command = Path(f"/proc/{int(info['launcher_pid'])}/cmdline").read_bytes()
     except (OSError, KeyError, ValueError, TypeError):
         return False
-    return b"trainer" in command and b"launch" in command
+    return b"trainer" in command and (b"launch" in command or b"attach" in command)
 
 
 def plan_for_status(args: argparse.Namespace) -> JobPlan:

@@ -15,7 +15,8 @@ copied first (one round trip per step, and no secret on a command line):
 - check: the working directory can be entered and the program found, as the training user;
 - start: keep the previous launch's log and exit record (log.N, exit.N), write the run's files (the
   head gets them), the node's secret variables, run.sh and this helper, then start run.sh detached
-  (its own session and process group);
+  (its own session and process group); with `reuse` (a restart by `trainer attach`), the run.sh,
+  secret variables and run files already there are started as they are;
 - status: state, exit record, the log's lines after the caller's offset (a long poll: it answers as
   soon as there is something new, or after `wait` seconds), each rank's progress;
 - stop: the stacks of the trainer's ranks when asked (a stall), then TERM to run.sh's process group
@@ -568,6 +569,13 @@ def start(request: dict, program: str) -> dict:
         raise Failure("; ".join(stale))
     node_dir = Path(request["node_dir"])
     launch_dir = Path(request["launch_dir"])
+    # A restart by `trainer attach`: the node's run.sh, secret-env and the run's files stay as the
+    # launcher wrote them.
+    reuse = bool(request.get("reuse"))
+    if reuse and not (node_dir / "run.sh").is_file():
+        raise Failure(
+            f"{node_dir}/run.sh is missing: there is nothing to restart here; relaunch with `trainer launch`"
+        )
     node_dir.mkdir(parents=True, exist_ok=True)
     kept = keep_previous_launch(node_dir)
     for name in ("pid", "stop-requested", "cursor", "cursor.tmp"):
@@ -578,14 +586,14 @@ def start(request: dict, program: str) -> dict:
     (node_dir / "progress").mkdir()
     (node_dir / "launch-id").write_text(request["launch_id"] + "\n")
     secrets = request.get("secret_env") or {}
-    if secrets:
+    if secrets and not reuse:
         # Sourced by run.sh; names were checked on the controller, values are quoted here.
         write_file(
             node_dir / "secret-env",
             "".join(f"export {name}={shlex.quote(str(value))}\n" for name, value in sorted(secrets.items())),
             0o600,
         )
-    else:
+    elif not reuse:
         (node_dir / "secret-env").unlink(missing_ok=True)
     written = []
     for name, text in sorted((request.get("files") or {}).items()):
@@ -593,7 +601,8 @@ def start(request: dict, program: str) -> dict:
         write_file(launch_dir / name, text, 0o600 if name == "config.yaml" else 0o644)
         written.append(name)
     write_file(node_dir / "node_ctl.py", program)
-    write_file(node_dir / "run.sh", request["run_sh"], 0o755)
+    if not reuse:
+        write_file(node_dir / "run.sh", request["run_sh"], 0o755)
     write_file(node_dir / "launch.json", json.dumps(request.get("info") or {}, indent=1) + "\n")
     if request.get("record"):
         append_record(launch_dir, request["record"])
