@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import random
@@ -140,8 +141,23 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def resume_fingerprint(config: Any) -> dict[str, Any]:
-    """What a checkpoint must share with the config that resumes it (saved in trainer_state.json)."""
+#: Fingerprint entries that say what the model was trained on (see data_identity in trainer.node.data
+#: and trainer.node.hf.job): each a dict whose `sha256` is compared.
+IDENTITY_KEYS = ("vocabulary", "tokenizer", "data")
+
+
+def content_hash(*parts: bytes | str) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        digest.update(len(data).to_bytes(8, "little"))  # parts cannot run into each other
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def resume_fingerprint(config: Any, identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint must share with the config that resumes it (saved in its state file).
+    identity: what the data and vocabulary are (IDENTITY_KEYS), from the corpus or fine-tuning job."""
     return {
         "model": dataclasses.asdict(config.model),
         "block_size": config.data.block_size,
@@ -149,12 +165,42 @@ def resume_fingerprint(config: Any) -> dict[str, Any]:
         # A LoRA checkpoint holds the adapter only; a packed run's data order is over other rows.
         "lora": dataclasses.asdict(config.lora),
         "packing": config.data.packing,
+        **(identity or {}),
     }
 
 
-def check_resumable(checkpoint: Path, config: Any, *, world_size: int) -> None:
+def _identity_problem(
+    checkpoint: Path, key: str, saved: dict, now: dict, allow_data_change: bool
+) -> str | None:
+    """Why resuming with a changed vocabulary, tokenizer or data is refused (None: not refused)."""
+    if saved.get("sha256") == now.get("sha256"):
+        return None
+    new_run = "start a new run: another output_dir (or run name), or checkpoint.resume=never"
+    if key == "vocabulary":
+        return (
+            f"{checkpoint} was trained on another vocabulary ({saved.get('size')} tokens, sha256 "
+            f"{str(saved.get('sha256'))[:12]}), this run's has {now.get('size')} tokens (sha256 "
+            f"{str(now.get('sha256'))[:12]}): its token ids would mean other tokens; {new_run}"
+        )
+    if allow_data_change:
+        return None
+    what = (
+        f"the tokenizer's files ({now.get('source')}) changed since {checkpoint} was written: text is split "
+        "into other tokens"
+        if key == "tokenizer"
+        else f"the training data ({now.get('path')}) changed since {checkpoint} was written (sha256 "
+        f"{str(saved.get('sha256'))[:12]}, now {str(now.get('sha256'))[:12]}): resuming would continue the "
+        "old data order over other samples"
+    )
+    return f"{what}; {new_run}; or set checkpoint.allow_data_change=true to go on training on the new data"
+
+
+def check_resumable(
+    checkpoint: Path, config: Any, *, world_size: int, identity: dict[str, Any] | None = None
+) -> list[str]:
     """ConfigError (before training starts) if this config cannot continue from checkpoint, or if the
-    checkpoint is not safe to load (check_trusted, and RNG files that are tensors only)."""
+    checkpoint is not safe to load (check_trusted, and RNG files that are tensors only). Returns
+    warnings for the log (a checkpoint too old to say what data it was trained on)."""
     check_trusted(checkpoint)
     # Every rank reads every rank's RNG file here, before the process group: all stop together.
     for path in sorted(checkpoint.glob("rng-rank*.pt")):
@@ -164,7 +210,23 @@ def check_resumable(checkpoint: Path, config: Any, *, world_size: int) -> None:
     fix = (
         "use the settings it was written with, or checkpoint.resume=never or another output_dir to start over"
     )
-    for key, value in resume_fingerprint(config).items():
+    warnings = []
+    current = resume_fingerprint(config, identity)
+    recorded = [key for key in IDENTITY_KEYS if isinstance(saved.get(key), dict) and key in current]
+    if not recorded and any(key in current for key in IDENTITY_KEYS):
+        warnings.append(
+            f"warning: {checkpoint} was written by an older trainer that did not record which data and "
+            "vocabulary it was trained on: resuming without checking that they are unchanged"
+        )
+    for key in recorded:
+        problem = _identity_problem(
+            checkpoint, key, saved[key], current[key], config.checkpoint.allow_data_change
+        )
+        if problem:
+            raise ConfigError("checkpoint.resume", problem)
+    for key, value in current.items():
+        if key in IDENTITY_KEYS:
+            continue
         if isinstance(value, dict) and isinstance(saved.get(key), dict):
             # Settings added since the checkpoint was written are not in it: compare the ones it has.
             value = {name: setting for name, setting in value.items() if name in saved[key]}
@@ -179,6 +241,7 @@ def check_resumable(checkpoint: Path, config: Any, *, world_size: int) -> None:
             f"{checkpoint} holds DeepSpeed ZeRO shards for {state.get('world_size')} processes, this run has "
             f"{world_size}; {fix}",
         )
+    return warnings
 
 
 def rng_state() -> dict[str, Any]:
@@ -317,8 +380,8 @@ class DiskFull(Exception):
 
 
 def human_size(size: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
             return f"{size:,} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
@@ -345,17 +408,27 @@ def disk_usage(path: Path) -> int:
     return total
 
 
-def is_disk_full(error: BaseException, directory: Path) -> bool:
-    """Did `error` come from a full file system (or quota) under directory? An OSError says so by its
-    errno; torch's C++ writer raises a RuntimeError without one ("iostream error"), so then a small
-    probe write in directory decides."""
+def says_no_space(error: BaseException) -> bool:
+    """Does `error` (or what caused it) say the file system or quota is full: an OSError's errno, or the
+    OS's words in a library's own error (safetensors: "No space left on device (os error 28)")?"""
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         if isinstance(cause, OSError) and cause.errno in NO_SPACE_ERRNOS:
             return True
+        if any(os.strerror(number) in str(cause) for number in NO_SPACE_ERRNOS):
+            return True
         cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def is_disk_full(error: BaseException, directory: Path) -> bool:
+    """Did a write into directory fail because its file system (or quota) is full? says_no_space, else,
+    for torch's C++ writer, whose RuntimeError has no errno ("iostream error"), a small probe write in
+    directory decides. Only for errors of a write there: any error looks like this on a full disk."""
+    if says_no_space(error):
+        return True
     if not isinstance(error, OSError | RuntimeError):
         return False
     probe = Path(directory) / f"{TMP_PREFIX}space-probe-{os.getpid()}"

@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.configerror import ConfigError, require
 
@@ -110,10 +110,24 @@ class Corpus:
     vocab: str
     ids: torch.Tensor
     block_size: int
+    path: str = ""
+    """data.path as configured ('' = the bundled text)."""
+    text_sha256: str = ""
 
     @property
     def num_samples(self) -> int:
         return (len(self.ids) - 1) // self.block_size
+
+    @property
+    def identity(self) -> dict[str, dict[str, Any]]:
+        """What a checkpoint records of its data (checkpoint.IDENTITY_KEYS): the vocabulary (the token ids
+        are positions in it) and the text, by content."""
+        from trainer.node.checkpoint import content_hash
+
+        return {
+            "vocabulary": {"size": len(self.vocab), "sha256": content_hash(self.vocab)},
+            "data": {"path": self.path or "the bundled text", "sha256": self.text_sha256},
+        }
 
 
 def load_corpus(config: DataConfig) -> Corpus:
@@ -124,7 +138,11 @@ def load_corpus(config: DataConfig) -> Corpus:
     lookup = {ch: i for i, ch in enumerate(vocab)}
     ids = torch.tensor([lookup[ch] for ch in text], dtype=torch.long)
     count_samples(len(text), config.block_size)
-    return Corpus(vocab=vocab, ids=ids, block_size=config.block_size)
+    from trainer.node.checkpoint import content_hash
+
+    return Corpus(
+        vocab=vocab, ids=ids, block_size=config.block_size, path=config.path, text_sha256=content_hash(text)
+    )
 
 
 def count_samples(characters: int, block_size: int) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer import exitcodes
+from trainer.configerror import ConfigError
 
 if TYPE_CHECKING:
     from trainer.node.checkpoint import CheckpointWriter
@@ -194,7 +195,20 @@ class Trainer:
         from trainer.node.checkpoint import load_rng_state, read_state, rng_file, set_rng_state
 
         state = read_state(self.resume_from)
-        self.engine.load(self.resume_from)
+        try:
+            self.engine.load(self.resume_from)
+        except RuntimeError as err:
+            if "size mismatch" not in str(err):
+                raise
+            # A checkpoint of an older trainer, which did not record its vocabulary: the embedding
+            # differs in size (the vocabulary changed), found only now.
+            mismatch = next(line.strip() for line in str(err).splitlines() if "size mismatch" in line)
+            raise ConfigError(
+                "checkpoint.resume",
+                f"{self.resume_from} does not fit this model ({mismatch[:300]}): the data's vocabulary or "
+                "the model changed since it was written; start a new run: another output_dir (or run "
+                "name), or checkpoint.resume=never",
+            ) from None
         rng_path = rng_file(self.resume_from, self.topology.rank)
         if state.get("world_size") != self.topology.world_size:
             self.reporter.info(

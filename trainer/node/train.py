@@ -57,6 +57,9 @@ def _error(message: str) -> None:
         print(f"trainer: {message}", file=sys.stderr, flush=True)
 
 
+#: gloo's words when the rank at the other end of a collective has gone (it died, and said why).
+PEER_GONE = "Connection closed by peer"
+
 #: Everything a run writes (checkpoints, metrics, logs, the final model) is the training account's and
 #: its group's to read, nobody else's: the shared dir is reachable by every local account on every node.
 RUN_UMASK = 0o027
@@ -136,6 +139,8 @@ def _run(args: argparse.Namespace) -> int:
 
             corpus = load_corpus(config.data)
             samples = corpus.num_samples
+        if not args.dry_run:  # a dry run may be made elsewhere than on the node
+            _check_memory(config, corpus, world_size)
         repeats, note = required_repeats(
             samples,
             config.data,
@@ -176,6 +181,43 @@ def _run(args: argparse.Namespace) -> int:
         return 130
 
 
+def _check_memory(config: TrainerConfig, corpus, world_size: int) -> None:
+    """ConfigError("model") if the model's weights, gradients and optimizer state alone cannot fit in
+    this node's memory (trainer.node.model.check_fits): before the process group or any file."""
+    import torch
+
+    from trainer.node.model import check_fits, parameter_count
+
+    distributed = config.distributed
+    if distributed.deepspeed_config:
+        from trainer.node.engines.ds_json import load_user_config
+
+        zero = load_user_config(distributed.deepspeed_config).get("zero_optimization", {})
+        offload = [zero.get(name) for name in ("offload_optimizer", "offload_param")]
+        if any(isinstance(o, dict) and o.get("device", "none") != "none" for o in offload):
+            return  # where offloaded state lives (CPU, NVMe) is the user's plan: not second-guessed
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    if config.model.name_or_path:
+        parameters, trained = corpus.parameter_counts()
+        weight_bytes = 0.5 if config.lora.qlora else corpus.weights_dtype(device.startswith("cuda")).itemsize
+    else:
+        parameters = parameter_count(
+            config.model, vocab_size=len(corpus.vocab), block_size=config.data.block_size
+        )
+        trained, weight_bytes = parameters, 4
+    check_fits(
+        parameters=parameters,
+        trained=trained,
+        weight_bytes=weight_bytes,
+        engine=distributed.engine,
+        zero_stage=distributed.zero_stage,
+        world_size=world_size,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        device=device,
+    )
+
+
 def train(
     config: TrainerConfig, corpus, *, repeats: int, notes: list[str], hooks: list[StepHook] | None = None
 ) -> int:
@@ -197,10 +239,10 @@ def train(
         find_resume_point,
         free_bytes,
         human_size,
-        is_disk_full,
         read_state,
         remove_leftovers,
         resume_fingerprint,
+        says_no_space,
         space_problem,
     )
     from trainer.node.config import ConfigError, dump_config
@@ -209,7 +251,7 @@ def train(
     from trainer.node.health import start_monitor
     from trainer.node.loop import Trainer
     from trainer.node.metrics import RUN_FILE, Reporter
-    from trainer.node.model import GPT
+    from trainer.node.model import GPT, is_out_of_memory, out_of_memory_error
     from trainer.node.progress import Progress
 
     topology = distributed.discover(config.distributed.backend)
@@ -222,8 +264,12 @@ def train(
         hparams=config.to_dict(),
     )
     resume_from, resume_note = find_resume_point(config.checkpoint, output_dir)
+    identity = corpus.identity  # the vocabulary and the data, by content
+    resume_warnings = []
     if resume_from is not None:
-        check_resumable(resume_from, config, world_size=topology.world_size)
+        resume_warnings = check_resumable(
+            resume_from, config, world_size=topology.world_size, identity=identity
+        )
     if topology.is_main:
         # Before anything is written: an interrupted write (a kill, a full disk) may hold the space
         # this run's first write needs.
@@ -265,7 +311,7 @@ def train(
     # The step each rank is in, for the launcher's stall watchdog (nothing outside `trainer launch`).
     progress = Progress.from_env(topology.rank, topology.local_rank)
     try:
-        for note in [*notes, resume_note]:
+        for note in [*notes, resume_note, *resume_warnings]:
             if note:
                 reporter.info(note)
         bf16 = config.train.mixed_precision == "bf16" or (
@@ -282,15 +328,20 @@ def train(
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
-        if finetune is not None:
-            model, model_line = finetune.build_model(topology, bf16=bf16)
-        else:
-            model = GPT(config.model, vocab_size=len(corpus.vocab), block_size=config.data.block_size)
-            parameter_count = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
-            model_line = f"{parameter_count:,} parameters"
-        if config.train.compile:
-            model.compile()
-        engine = create_engine(config.train, config.distributed, output_dir, topology, model, bf16=bf16)
+        try:
+            if finetune is not None:
+                model, model_line = finetune.build_model(topology, bf16=bf16)
+            else:
+                model = GPT(config.model, vocab_size=len(corpus.vocab), block_size=config.data.block_size)
+                parameter_count = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions
+                model_line = f"{parameter_count:,} parameters"
+            if config.train.compile:
+                model.compile()
+            engine = create_engine(config.train, config.distributed, output_dir, topology, model, bf16=bf16)
+        except Exception as error:  # the estimate before the start is a lower bound: the real thing
+            if is_out_of_memory(error):
+                raise out_of_memory_error(error) from None
+            raise
         random.seed(seed + topology.rank)
         np.random.seed(seed + topology.rank)
         torch.manual_seed(seed + topology.rank)
@@ -366,7 +417,7 @@ def train(
         trainer = Trainer(
             train_config=config.train,
             save_steps=config.checkpoint.save_steps,
-            fingerprint=resume_fingerprint(config),
+            fingerprint=resume_fingerprint(config, identity),
             topology=topology,
             engine=engine,
             batches=batches,
@@ -392,20 +443,35 @@ def train(
         # A CUDA error in the step, or any error after this rank's GPU faulted: exit 75, not 1.
         if (code := health.exit_code_for(error, on_gpu=on_gpu)) is not None:
             return code
+        if isinstance(
+            error, ConfigError
+        ):  # found at load or build: a checkpoint or a model that does not fit
+            if topology.is_main or error.key == "model":  # memory runs out on one rank, not on all
+                print(f"trainer: config error: {error}", file=sys.stderr, flush=True)
+            return exitcodes.CONFIG_ERROR
         if isinstance(error, DiskFull):
             clean = error.everywhere
             if topology.is_main or not error.everywhere:
                 print(f"trainer: {error}", file=sys.stderr, flush=True)
             return exitcodes.NO_SPACE
-        if is_disk_full(error, output_dir):  # run.json, metrics.jsonl, ds_config.json, the final model
+        if says_no_space(error):  # run.json, metrics.jsonl, ds_config.json, the final model
             print(
                 f"trainer: rank {topology.rank}: no space left on device in {output_dir} "
-                f"({_failed_file(error)}): {human_size(free_bytes(output_dir))} free; the latest "
-                "checkpoint is intact; free space there, then run the same command again to resume",
+                f"({_failed_file(error)}): {human_size(free_bytes(output_dir))} free; the checkpoints "
+                "written so far are intact; free space there, then run the same command again to resume",
                 file=sys.stderr,
                 flush=True,
             )
             return exitcodes.NO_SPACE
+        if isinstance(error, RuntimeError) and PEER_GONE in str(error):
+            # A consequence (another rank died first and said why), not a cause: one line, no traceback.
+            first = str(error).strip().splitlines()[0][:300]
+            print(
+                f"trainer: rank {topology.rank} stopped: another rank failed first ({first})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return exitcodes.FAILURE
         print(f"trainer: rank {topology.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         record_error(error)
         return exitcodes.FAILURE

@@ -42,6 +42,8 @@ class FineTune:
     notes: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
     """The data section of run.json."""
+    identity: dict[str, Any] = field(default_factory=dict)
+    """What a checkpoint records of the tokenizer and the data (checkpoint.IDENTITY_KEYS)."""
     reset_positions: bool = False
     """Packed rows restart position_ids per sample (the model then keeps attention within samples)."""
     model: Any = None
@@ -127,7 +129,21 @@ class FineTune:
             target_modules=target_modules,
             notes=notes,
             facts=facts,
+            identity=_identity(source, tokenizer, data.path),
         )
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(all parameters, trained ones) from a weightless copy of the model; a LoRA adapter's own few
+        are not counted (the estimate they feed is a lower bound)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(
+                self.model_config, trust_remote_code=self.config.model.trust_remote_code
+            )
+        total = sum(p.numel() for p in skeleton.parameters())
+        return total, 0 if self.config.lora.enabled else total
 
     def weights_dtype(self, on_gpu: bool) -> torch.dtype:
         from trainer.node.hf.model import weights_dtype
@@ -254,6 +270,45 @@ class FineTune:
         if is_main:
             save_pretrained(self.model, unwrap_state(state), self.tokenizer, directory)
         return directory
+
+
+#: The files a tokenizer is loaded from (those a model directory has).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def _identity(source: str, tokenizer: Any, data_path: str) -> dict[str, Any]:
+    """The vocabulary (token to id), the tokenizer's files (or, for a hub id, its serialized form) and
+    the data file, by content: a resume refuses a change it was not told to accept."""
+    import json
+
+    from trainer.node.checkpoint import content_hash
+
+    vocabulary = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    directory = Path(source)
+    if directory.is_dir():
+        names = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
+        tokenizer_hash = content_hash(*(part for n in names for part in (n, (directory / n).read_bytes())))
+    else:
+        tokenizer_hash = content_hash(tokenizer.backend_tokenizer.to_str())
+    if data_path:
+        data_hash = content_hash(Path(data_path).expanduser().read_bytes())
+    else:
+        data_hash = content_hash(dataset.read_source("")[1] or "")
+    return {
+        "vocabulary": {"size": len(vocabulary), "sha256": content_hash(json.dumps(vocabulary))},
+        "tokenizer": {"source": source, "sha256": tokenizer_hash},
+        "data": {"path": data_path or "the bundled text", "sha256": data_hash},
+    }
 
 
 def _check_lora(config: TrainerConfig, model_config: Any) -> list[str]:
