@@ -63,3 +63,52 @@ def test_running_the_command_in_process_leaves_the_callers_umask_alone(capsys):
         assert main(["train", "--dry-run", "--set", "train.max_steps=2"]) == exitcodes.OK
     finally:
         assert os.umask(previous) == 0o022, "trainer train's umask 027 leaked into its caller"
+
+
+def _memory_bytes() -> int:
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return sum(int(fields[name].split()[0]) * 1024 for name in ("MemTotal", "SwapTotal"))
+
+
+def test_a_model_too_big_for_memory_is_refused_before_the_output_dir_exists(tmp_path, capsys):
+    out = tmp_path / "out"
+    # About 320 billion parameters: 16 bytes each for weights, gradients and AdamW's moments.
+    args = ["--set", f"output_dir={out}", "--set", "model.n_embd=16384", "--set", "model.n_layer=100"]
+    assert main(["train", *args]) == exitcodes.CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "config error: model: the model does not fit in memory: 322,128,576,512 parameters need" in err
+    assert "TiB for weights, gradients and optimizer state" in err
+    assert "is available (MemAvailable + SwapFree in /proc/meminfo)" in err
+    assert "smaller model" in err and "lora.enabled=true" in err and "zero_stage=3" in err
+    assert "Traceback" not in err
+    assert not out.exists(), "output_dir was created for a run that cannot start"
+    # Under DeepSpeed the estimate is DeepSpeed's (fp32 master copies, sharded state): still too big.
+    zero3 = ["--set", "distributed.engine=deepspeed", "--set", "distributed.zero_stage=3"]
+    assert main(["train", *args, *zero3]) == exitcodes.CONFIG_ERROR
+    assert "per process, deepspeed)" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_an_allocation_that_fails_while_the_model_is_built_is_the_same_clear_error(tmp_path):
+    # With the optimizer offloaded by the user's DeepSpeed JSON the estimate steps aside; one layer whose
+    # weight alone is larger than the machine's memory (and swap) then fails in the allocator itself.
+    import math
+    import subprocess
+    import sys
+
+    width = 4 * math.ceil(math.sqrt(2 * _memory_bytes() / 12) / 4)  # qkv: 3 × width² fp32 > 2 × memory
+    ds_json = tmp_path / "offload.json"
+    ds_json.write_text('{"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "cpu"}}}')
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "trainer"), "train", *[
+            arg for pair in (f"output_dir={out}", f"model.n_embd={width}", "model.n_layer=1",
+                             "distributed.engine=deepspeed", f"distributed.deepspeed_config={ds_json}")
+            for arg in ("--set", pair)
+        ]],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == exitcodes.CONFIG_ERROR, done.stderr[-3000:]
+    assert "config error: model: the model does not fit in memory: allocating it failed" in done.stderr
+    assert "can't allocate memory" in done.stderr and "lora.enabled=true" in done.stderr
+    assert "Traceback" not in done.stderr
