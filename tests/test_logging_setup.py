@@ -54,12 +54,16 @@ def test_a_run_logs_with_time_host_rank_and_level_and_keeps_its_step_lines(tmp_p
 
 
 @pytest.mark.slow
-def test_log_level_warning_hides_the_info_lines_but_not_the_warnings(tmp_path):
+@pytest.mark.parametrize("by", ["option", "variable"])
+def test_log_level_warning_hides_the_info_lines_but_not_the_warnings(tmp_path, by):
+    # The variable is what `trainer launch --env TRAINER_LOG_LEVEL=...` hands every node.
     output_dir = tmp_path / "run"
     args = sets(f"output_dir={output_dir}", *STEPS, *BROKEN_MLFLOW)
+    option = ["--log-level", "warning"] if by == "option" else []
+    env = trainer_env({"TRAINER_LOG_LEVEL": "warning"} if by == "variable" else {})
     run = subprocess.run(
-        [TRAINER, "train", "--log-level", "warning", *args],
-        capture_output=True, text=True, env=trainer_env(), timeout=300, cwd=tmp_path,
+        [TRAINER, "train", *option, *args],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert lines(run.stderr, "INFO") == []

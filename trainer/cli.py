@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         "--log-level",
         type=str.upper,
         choices=logsetup.LEVELS,
-        help=f"this command's log lines on stderr (time, host, rank, level); default: "
-        f"${logsetup.LEVEL_VARIABLE} or {logsetup.DEFAULT_LEVEL}",
+        help=f"this command's own log lines on stderr (time, host, rank, level); default: "
+        f"${logsetup.LEVEL_VARIABLE} or {logsetup.DEFAULT_LEVEL} (for the nodes of a launch: "
+        f"--env {logsetup.LEVEL_VARIABLE}=DEBUG)",
     )
     command: list[str] = []
     if getattr(module, "TAKES_COMMAND", False) and "--" in rest:
