@@ -100,12 +100,31 @@ def load_host_vars(inventory: str | os.PathLike[str]) -> tuple[dict[str, list[st
         raise InventoryError(str(err)) from None
     _check_yaml_syntax(loader, inventory)
     manager = InventoryManager(loader=loader, sources=[str(inventory)])
+    if not getattr(getattr(manager, "_inventory", None), "processed_sources", [inventory]):
+        # Ansible only warns (its reason is printed above) and goes on with an empty or half-built
+        # inventory: a host name it refuses, such as one ending in ':' or an unclosed '['.
+        raise InventoryError(
+            f"inventory {inventory}: Ansible could not read it as an inventory (its reason is printed "
+            "above); fix: correct the file it names (host names: letters, digits, '.', '_' or '-')"
+        )
     variables = VariableManager(loader=loader, inventory=manager)
-    groups = {name: [h.name for h in group.get_hosts()] for name, group in manager.groups.items()}
+    known = {host.name for host in manager.get_hosts()}
+    groups = {
+        name: [h.name for h in group.get_hosts() if h.name in known] for name, group in manager.groups.items()
+    }
     rendered: dict[str, dict] = {}
     problems: dict[str, list[str]] = {}  # the same problem on several hosts is one message
     for host in manager.get_hosts():
-        host_vars = variables.get_vars(host=host, include_hostvars=False)
+        try:
+            host_vars = variables.get_vars(host=host, include_hostvars=False)
+        except Exception as err:  # e.g. its fact cache file cannot be opened: a name too long
+            reason = (str(err).splitlines() or [type(err).__name__])[0]
+            problem = (
+                f"Ansible cannot read its variables ({reason}); fix: give the host a shorter name of "
+                "letters, digits, '.', '_' or '-' (its address goes in ansible_host)"
+            )
+            problems.setdefault(problem, []).append(host.name)
+            continue
         templar = Templar(loader=loader, variables=host_vars)
         rendered[host.name] = {}
         for key, value in host_vars.items():
