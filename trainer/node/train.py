@@ -251,7 +251,7 @@ def train(
     from trainer.node.health import start_monitor
     from trainer.node.loop import Trainer
     from trainer.node.metrics import RUN_FILE, Reporter
-    from trainer.node.model import GPT, is_out_of_memory, out_of_memory_error
+    from trainer.node.model import GPT, MEMORY_FIXES, is_out_of_memory, out_of_memory_error
     from trainer.node.progress import Progress
 
     topology = distributed.discover(config.distributed.backend)
@@ -463,6 +463,16 @@ def train(
                 flush=True,
             )
             return exitcodes.NO_SPACE
+        if is_out_of_memory(error):  # the estimate at start leaves activations out: the step found them
+            print(
+                f"trainer: rank {topology.rank}: config error: model: training ran out of memory "
+                f"({_last_line(error)}); use a smaller train.micro_batch_size (more "
+                f"train.gradient_accumulation_steps keep the effective batch), "
+                f"train.gradient_checkpointing=true (Hugging Face models), or {MEMORY_FIXES}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return exitcodes.CONFIG_ERROR
         if isinstance(error, RuntimeError) and PEER_GONE in str(error):
             # A consequence (another rank died first and said why), not a cause: one line, no traceback.
             first = str(error).strip().splitlines()[0][:300]
@@ -479,6 +489,18 @@ def train(
         progress.close()
         health.stop()
         distributed.shutdown(clean)
+
+
+def _last_line(error: BaseException) -> str:
+    """The error's type and first sentences, up to about 200 characters (CUDA's OOM runs to 600)."""
+    lines = str(error).strip().splitlines()
+    if not lines:
+        return type(error).__name__
+    text = lines[0]
+    if len(text) > 200:
+        cut = text.rfind(". ", 0, 200)
+        text = text[: cut + 1] if cut > 0 else text[:200]
+    return f"{type(error).__name__}: {text}"
 
 
 def _failed_file(error: BaseException) -> str:
