@@ -2,9 +2,11 @@
 
 `training_env` (inventory, a mapping per host) and `--env NAME=VALUE` / `--env NAME` (command line)
 add variables to the environment of the command every node runs; `training_workdir` is the
-directory it runs in. These rules live here once: the validate role's filter plugin imports this
-module (site.yml refuses a bad inventory before touching a host) and `trainer plan/launch/sbatch`
-apply the same rules (a bad `--env` is refused before anything starts). Standard library only.
+directory it runs in. These rules live here once: trainer.controller.inventory_rules (the rules
+site.yml's validate play and `trainer plan/launch/preflight` apply to the inventory) imports them,
+and `trainer plan/launch/sbatch` apply them to `--env` (refused before anything starts). The path
+rule (`path_problem`: absolute, a strict character set, no `..`, not `/`) is here too, for
+training_workdir and every other path in the inventory. Standard library only.
 
 A value reaches a shell line (the node's run.sh, a Slurm script), so names must be shell
 identifiers and values are always quoted where they are written. Secret values (a name such as
