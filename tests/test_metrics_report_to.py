@@ -200,3 +200,27 @@ def test_an_unknown_tracker_gets_a_did_you_mean(tmp_path):
     )  # fmt: skip
     assert run.returncode == 2
     assert "metrics.report_to: unknown tracker 'tensorbord': did you mean tensorboard?" in run.stderr
+
+
+def test_a_resumed_run_replaces_the_tensorboard_steps_past_its_checkpoint(run_trainer):
+    """Resumed from step 2 of a run that logged to step 4: as metrics.jsonl drops steps 3 and 4 and
+    logs them again, TensorBoard shows each step once (two event files, purge_step), not 3 and 4 twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    common = ["train.max_steps=4", "train.log_every=1", "train.micro_batch_size=8", "checkpoint.save_steps=2"]
+    first = run_trainer(*common, "metrics.report_to=tensorboard", launcher="none", nproc=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    step_2 = first.output_dir / "checkpoints" / "step-2"
+    again = run_trainer(
+        *common, "metrics.report_to=tensorboard", f"checkpoint.resume={step_2}", launcher="none", nproc=1
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout
+    metrics = again.metrics
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert len(list((again.output_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    accumulator = EventAccumulator(str(again.output_dir / "tensorboard"))
+    accumulator.Reload()
+    for key, tag in (("loss", "train/loss"), ("lr", "train/lr")):
+        got = [(e.step, e.value) for e in accumulator.Scalars(tag)]
+        assert close_enough(got, [(m["step"], m[key]) for m in metrics]), (tag, got)
