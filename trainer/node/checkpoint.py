@@ -155,6 +155,15 @@ def content_hash(*parts: bytes | str) -> str:
     return digest.hexdigest()
 
 
+def file_hash(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in pieces (a dataset may be larger than memory allows twice)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def resume_fingerprint(config: Any, identity: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a checkpoint must share with the config that resumes it (saved in its state file).
     identity: what the data and vocabulary are (IDENTITY_KEYS), from the corpus or fine-tuning job."""
@@ -534,7 +543,8 @@ def remove_leftovers(output_dir: str | Path, log: Callable[[str], None]) -> None
         found += [path for pattern in LEFTOVER_PATTERNS for path in output_dir.glob(pattern)]
     for leftover in sorted(set(found)):
         if leftover.is_dir() and not leftover.is_symlink():
-            log(f"removing incomplete checkpoint {leftover} (a run stopped while writing it)")
+            what = "checkpoint" if leftover.parent == directory else "write"
+            log(f"removing incomplete {what} {leftover} (a run stopped while writing it)")
             shutil.rmtree(leftover, ignore_errors=True)
         else:
             with contextlib.suppress(OSError):

@@ -291,7 +291,7 @@ def _identity(source: str, tokenizer: Any, data_path: str) -> dict[str, Any]:
     the data file, by content: a resume refuses a change it was not told to accept."""
     import json
 
-    from trainer.node.checkpoint import content_hash
+    from trainer.node.checkpoint import content_hash, file_hash
 
     vocabulary = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     directory = Path(source)
@@ -301,7 +301,7 @@ def _identity(source: str, tokenizer: Any, data_path: str) -> dict[str, Any]:
     else:
         tokenizer_hash = content_hash(tokenizer.backend_tokenizer.to_str())
     if data_path:
-        data_hash = content_hash(Path(data_path).expanduser().read_bytes())
+        data_hash = file_hash(Path(data_path).expanduser())
     else:
         data_hash = content_hash(dataset.read_source("")[1] or "")
     return {
