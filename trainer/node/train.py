@@ -1,7 +1,11 @@
 """`trainer train`: one training worker, alone or under torchrun / deepspeed / accelerate launch.
 
-Order matters: the config and the data are checked on every rank before the process group starts,
-so a bad value fails fast and identically everywhere (rank 0 says why) instead of one rank hanging.
+Order matters: the config, the data and whether the model can fit in memory are checked on every
+rank before the process group starts, so a bad value fails fast and identically everywhere (rank 0
+says why) instead of one rank hanging. Then, still before anything is written: the checkpoint to
+resume from is checked against this run (trusted files, settings, data and vocabulary), and rank 0
+removes what an interrupted write left; with the process group up, a resumed run that has no room
+for its next checkpoint stops (exit NO_SPACE).
 """
 
 from __future__ import annotations
