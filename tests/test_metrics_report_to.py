@@ -193,6 +193,17 @@ def test_a_missing_tracker_package_is_refused_by_name_before_anything_is_created
     assert not output_dir.exists(), "nothing is created before the config is refused"
 
 
+def test_a_tracking_uri_with_a_password_is_refused_without_echoing_it(tmp_path):
+    run = subprocess.run(
+        [TRAINER, "train", "--dry-run",
+         *sets(f"output_dir={tmp_path}", "metrics.tracking_uri=http://bob:hunter2@127.0.0.1:5000")],
+        capture_output=True, text=True, env=trainer_env(), timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "metrics.tracking_uri: holds a password: give MLflow its credentials through" in run.stderr
+    assert "hunter2" not in run.stderr + run.stdout
+
+
 def test_an_unknown_tracker_gets_a_did_you_mean(tmp_path):
     run = subprocess.run(
         [TRAINER, "train", "--dry-run", *sets(f"output_dir={tmp_path}", "metrics.report_to=tensorbord")],

@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from trainer.configerror import ConfigError, require
 
@@ -80,6 +81,14 @@ class MetricsConfig:
             f"names a tracker twice (got {self.report_to})",
         )
         require(bool(self.project.strip()), "project", "must not be empty")
+        # The config is written to run.json and sent to the trackers as hyperparameters: no secret in it.
+        require(
+            not urlsplit(self.tracking_uri).password,
+            "tracking_uri",
+            "holds a password: give MLflow its credentials through MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) on the nodes, not in the URI (the config is "
+            "written to run.json)",
+        )
 
     def check_installed(self) -> None:
         """Raise ConfigError naming the package and the pip extra of each asked-for tracker that is not
@@ -183,7 +192,10 @@ class _Mlflow:
         self.run_id = self.client.create_run(
             experiment_id, run_name=config.run_name or output_dir.resolve().name
         ).info.run_id
-        self.where = f"{uri} (experiment {config.project!r}, run {self.run_id})"
+        parts = urlsplit(uri)  # MLFLOW_TRACKING_URI may carry user:password@: never logged
+        host = f"{parts.hostname}:{parts.port}" if parts.port else parts.hostname or ""
+        shown = parts._replace(netloc=host).geturl() if parts.password else uri
+        self.where = f"{shown} (experiment {config.project!r}, run {self.run_id})"
         params = [Param(key, str(value)) for key, value in hparams.items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])
