@@ -83,8 +83,9 @@ INTERRUPTED = 130
 TAKES_COMMAND = True
 #: The bundled trainer's default --stall-timeout (a user's command has none unless given).
 BUNDLED_STALL_TIMEOUT_S = 600.0
-#: Exit codes of the bundled trainer that a restart would only repeat (config, data).
-NOT_RESTARTABLE = {exitcodes.CONFIG_ERROR, exitcodes.DATA_ERROR}
+#: Exit codes of the bundled trainer that a restart would only repeat (config, data, a full disk:
+#: the restarted trainer's own room check would refuse again).
+NOT_RESTARTABLE = {exitcodes.CONFIG_ERROR, exitcodes.DATA_ERROR, exitcodes.NO_SPACE}
 
 
 @dataclass(frozen=True)
