@@ -4,6 +4,7 @@ addresses (127.0.0.1-3, connection local) so the pair checks, the head listener 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -223,27 +224,27 @@ def stale_lock_inventory(tmp_path: Path) -> tuple[Path, Path]:
     return inventory, lock
 
 
-def launch_processes(run_prefix: str = "preflight-deepspeed-") -> list[int]:
-    """Processes on this machine that a preflight DeepSpeed launch started (by their launch tag)."""
+def _processes_with(variable: bytes) -> list[int]:
+    """Processes of this machine's own mount namespace whose environment holds `variable`. The test
+    bed's containers (other namespaces) run preflights of their own at the same time in CI."""
+    ours = os.readlink("/proc/self/ns/mnt")
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if f"CLUSTERTRAIN_LAUNCH_ID={run_prefix}".encode() in (proc / "environ").read_bytes():
+            if os.readlink(proc / "ns" / "mnt") == ours and variable in (proc / "environ").read_bytes():
                 found.append(int(proc.name))
         except OSError:
             continue
     return found
+
+
+def launch_processes(run_prefix: str = "preflight-deepspeed-") -> list[int]:
+    """Processes on this machine that a preflight DeepSpeed launch started (by their launch tag)."""
+    return _processes_with(f"CLUSTERTRAIN_LAUNCH_ID={run_prefix}".encode())
 
 
 def marked_processes(token_variable: str = "CLUSTERTRAIN_PREFLIGHT=") -> list[int]:
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if token_variable.encode() in (proc / "environ").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
+    return _processes_with(token_variable.encode())
 
 
 @pytest.mark.slow
