@@ -37,7 +37,8 @@ destroy
 [ "${PIPESTATUS[0]}" -eq 0 ] || fail "molecule test -s $scenario" "$logs/molecule.log"
 
 if [ "$scenario" = default ]; then
-  "$repo_root/.venv/bin/pytest" -q -m testbed "$@" 2>&1 | tee "$logs/pytest-testbed.log"
+  # -rP: what passing tests print (preflight's wall times on the bed); --durations: where the time goes.
+  "$repo_root/.venv/bin/pytest" -q -rP --durations=0 -m testbed "$@" 2>&1 | tee "$logs/pytest-testbed.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "pytest -m testbed" "$logs/pytest-testbed.log"
 fi
 
