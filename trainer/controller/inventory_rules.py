@@ -206,12 +206,18 @@ def _home(value: Any) -> str | None:
     return None
 
 
-def _controller_path(value: Any) -> str | None:
+def _controller_path_form(value: Any) -> str | None:
     if _unset(value):
         return None
     if problem := path_problem(value, "/srv/clustertrain/wheels"):
         return problem.replace("not an absolute path", "not an absolute path on the controller")
-    if not os.path.exists(value):
+    return None
+
+
+def _controller_path(value: Any) -> str | None:
+    if problem := _controller_path_form(value):
+        return problem
+    if not _unset(value) and not os.path.exists(value):
         return f"is {value} but that does not exist on the controller; fix: create it or set ''"
     return None
 
@@ -574,6 +580,10 @@ VALUE_RULES: tuple[tuple[str, Check], ...] = (
 )
 
 
+#: Controller files only provisioning reads: a launch checks their form, not that they exist (a copy
+#: of an inventory elsewhere, or another controller, may launch without the wheelhouse).
+PROVISIONING_FILES = frozenset({"training_wheelhouse"})
+
 #: Every variable these rules read (besides the group layout and host names).
 VARIABLES: tuple[str, ...] = tuple(
     sorted(
@@ -606,6 +616,8 @@ def cluster_problems(hostvars: Mapping, groups: Mapping, purpose: str = PROVISIO
         _check_unique(hosts, "ansible_host", "ansible_host:ansible_port", out)
         _check_in_subnet(hosts, out)
     for var, check in VALUE_RULES:
+        if not provision and var in PROVISIONING_FILES:
+            check = _controller_path_form  # a launch never reads it: its form only
         _check_each(hosts, var, check, out)
     _check_accelerators(hosts, head, provision, out)
     _check_node_ranks(hosts, head, out)
