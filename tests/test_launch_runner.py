@@ -140,3 +140,27 @@ def test_every_host_at_once_and_no_event_files(tmp_path, monkeypatch):
     assert result.succeeded, result.output
     assert result.task_result("localhost", "Read the forks 0").result["msg"] == 50
     assert kept == set(), f"files ansible-runner kept per event: {sorted(kept)[:5]}"
+
+
+def test_messages_arrive_under_a_temp_dir_too_long_for_a_socket_path(tmp_path, monkeypatch):
+    # A deep TMPDIR (pytest's own, a CI workspace) would put the channel's Unix socket past the 108
+    # bytes Linux allows: the launcher then failed with "AF_UNIX path too long" before any node ran.
+    scratch = tmp_path / ("deep-" + "d" * 60) / ("deeper-" + "e" * 60)
+    scratch.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    before = set(Path("/tmp").glob("ct-ch-*"))
+    send = (
+        "import json, socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+        "s.sendall(json.dumps({'hello': 'from the node'}).encode() + b'\\n'); s.close()"
+    )
+    playbook = write_playbook(
+        tmp_path,
+        "    - name: Write to the channel\n"
+        f"      ansible.builtin.command:\n        argv: [python3, -c, {send!r}, '{{{{ runner_channel }}}}']\n"
+        "      changed_when: false\n",
+    )
+    messages = []
+    result = run_playbook(playbook, LOCAL_INVENTORY, on_message=messages.append)
+    assert result.succeeded, result.output
+    assert {"hello": "from the node"} in messages
+    assert set(Path("/tmp").glob("ct-ch-*")) == before, "the socket's own dir is removed"

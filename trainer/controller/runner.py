@@ -115,6 +115,8 @@ SEEN_EVENTS = 4096
 #: Characters of ansible-playbook's own output kept for `result.output`.
 OUTPUT_TAIL = 4000
 PRIVATE_DIR_PREFIX = "clustertrain-runner-"
+#: The longest Unix socket path bound where asked (Linux's sun_path holds 107 bytes and a NUL).
+MAX_SOCKET_PATH = 100
 #: Marks the processes of one run: ansible-runner's cancel kills the process it spawned, but
 #: ansible-playbook (ansible-core 2.19) runs in a session of its own and outlives that, with its
 #: workers and, on local connections, the modules they run.
@@ -128,6 +130,14 @@ SUDO_PASSWORD_FIX = (
     "this node's sudo asks for a password: give it with --ask-become-pass or --become-password-file FILE "
     "(or ANSIBLE_BECOME_PASSWORD_FILE), or allow the account passwordless sudo"
 )
+
+
+def with_known_fix(text: str) -> str:
+    """A task's failure text, with the fix appended where Ansible's words name a known cause."""
+    if SUDO_PASSWORD_PROBLEM.search(text):
+        return f"{text} (fix: {SUDO_PASSWORD_FIX})"
+    return text
+
 
 _RESULT_EVENTS = {
     "runner_on_ok": "ok",
@@ -153,9 +163,7 @@ class TaskResult:
         """The most telling text of a result: msg and stderr (a command's msg alone says little)."""
         parts = [str(self.result.get(key) or "").strip() for key in ("msg", "stderr")]
         text = ": ".join(p for p in parts if p) or str(self.result.get("stdout") or "").strip()
-        if SUDO_PASSWORD_PROBLEM.search(text):
-            text += f" (fix: {SUDO_PASSWORD_FIX})"
-        return text
+        return with_known_fix(text)
 
 
 @dataclass
@@ -287,6 +295,12 @@ class _Channel:
     """A Unix socket in the private dir; each JSON line a client writes becomes a queue item."""
 
     def __init__(self, path: str, events: queue.Queue[dict[str, Any]]) -> None:
+        # A socket's path must fit sun_path (108 bytes on Linux): under a long TMPDIR it goes into a
+        # private dir of its own in /tmp instead, removed on close.
+        self.own_dir: str | None = None
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            self.own_dir = tempfile.mkdtemp(prefix="ct-ch-", dir="/tmp")
+            path = os.path.join(self.own_dir, "channel")
         self.path = path
         self.events = events
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -320,6 +334,8 @@ class _Channel:
     def close(self) -> None:
         self.closed.set()
         self.server.close()
+        if self.own_dir is not None:
+            shutil.rmtree(self.own_dir, ignore_errors=True)
 
 
 def _task_result(event: dict[str, Any], status: str) -> TaskResult:

@@ -69,7 +69,7 @@ from trainer.controller.launcher.runlock import (
 )
 from trainer.controller.launcher.runscript import node_dir, run_script
 from trainer.controller.launcher.topology import AUTO_IFNAME, TopologyError
-from trainer.controller.runner import PlaybookResult, run_playbook
+from trainer.controller.runner import PlaybookResult, run_playbook, with_known_fix
 from trainer.controller.training_env import IB_AUTO
 
 PLAYBOOKS = PurePosixPath(__file__).parent / "playbooks"
@@ -384,7 +384,7 @@ class Launcher:
                     monitor.apply(monitor.hosts[host], res)
                     view.states(monitor.ordered)
             elif name in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
-                text = str(res.get("msg") or res.get("stderr") or "failed").strip()
+                text = with_known_fix(str(res.get("msg") or res.get("stderr") or "failed").strip())
                 start_failures.append((host, str(task), text, name))
 
         def on_message(message: dict[str, Any]) -> None:
