@@ -244,28 +244,32 @@ def test_stopped_chronyd_is_named_though_the_clock_is_still_right(tmp_path):
     assert_fix(result, WORKER1, "systemctl enable --now chrony")
 
 
-def test_missing_interface_and_duplicate_rank_are_named_in_the_probe_pass(tmp_path):
-    inventory = inventory_copy(
-        tmp_path,
-        {
-            WORKER1: "cluster_node_rank: 1\ncluster_nccl_socket_ifname: eth9\n",
-            WORKER2: "cluster_node_rank: 1\n",
-        },
+def test_a_duplicate_rank_is_refused_before_any_host_and_a_missing_interface_named_in_the_probe_pass(
+    tmp_path,
+):
+    # A duplicate rank lives in the inventory alone: the inventory rules (the same as plan's and
+    # launch's) refuse it when it is loaded, naming both hosts and the fix; no host is contacted.
+    (tmp_path / "duplicate").mkdir()
+    duplicate = inventory_copy(
+        tmp_path / "duplicate", {WORKER1: "cluster_node_rank: 1\n", WORKER2: "cluster_node_rank: 1\n"}
     )
+    rc, output, report = preflight(duplicate, tmp_path / "duplicate-report.json")
+    assert rc == exitcodes.CONFIG_ERROR, output
+    refusal = f"host {WORKER2}: cluster_node_rank 1 is also the rank of {WORKER1}; fix: give each its own"
+    assert refusal in output
+    assert report == {}, "nothing written before the inventory is valid"
+    # A missing interface is on the node: the probe pass names it, and the job is not started.
+    (tmp_path / "interface").mkdir()
+    inventory = inventory_copy(tmp_path / "interface", {WORKER1: "cluster_nccl_socket_ifname: eth9\n"})
     rc, output, report = preflight(inventory, tmp_path / "report.json", "--skip", "bandwidth")
     assert rc == exitcodes.PREFLIGHT_FAILED, output
     results = by_key(report)
-    topology = results[("topology", f"{WORKER1}, {WORKER2}")]
-    assert "node rank 1 is given to more than one host: ct-worker1, ct-worker2" in topology["detail"]
-    assert_fix(topology, WORKER1, "cluster_node_rank")
     interface = results[("interface", WORKER1)]
     assert interface["status"] == "fail" and "NCCL_SOCKET_IFNAME=eth9" in interface["detail"]
     assert_fix(interface, WORKER1, "cluster_nccl_socket_ifname: =eth0")
-    # The job would fail on both: it is not started (minutes saved, no hang).
+    # The job would fail on it: it is not started (minutes saved, no hang).
     job = results[("deepspeed", "cluster")]
-    assert (
-        job["status"] == "skip" and "topology" in job["detail"] and "interface (ct-worker1)" in job["detail"]
-    )
+    assert job["status"] == "skip" and "interface (ct-worker1)" in job["detail"]
 
 
 def test_stale_build_lock_is_named_and_the_deepspeed_job_not_started(tmp_path):
