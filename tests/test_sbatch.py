@@ -89,7 +89,9 @@ def test_scripts_are_valid_bash_and_carry_the_job(tmp_path):
     slurm = (tmp_path / "job.sbatch").read_text()
     assert "#SBATCH --nodes=2" in slurm and "#SBATCH --ntasks-per-node=1" in slurm
     assert "scontrol show hostnames" in slurm and "srun --kill-on-bad-exit=1" in slurm
-    assert "--rdzv-backend=c10d" in slurm and '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in slurm
+    # Static rendezvous (node rank = the scheduler's node id), as trainer launch starts it.
+    assert '--node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT"' in slurm
+    assert "--rdzv-backend" not in slurm
     assert "#SBATCH --gpus-per-node" not in slurm, "CPU nodes ask for no GPUs"
     pbs = (tmp_path / "job.pbs").read_text()
     assert "#PBS -l nodes=2:ppn=2" in pbs and '"$PBS_NODEFILE"' in pbs and "ssh -o BatchMode=yes" in pbs

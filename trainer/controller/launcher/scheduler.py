@@ -116,20 +116,19 @@ def node_script(plan: JobPlan) -> str:
         f"cd {shlex.quote(plan.workdir(head))}",
     ]
     if plan.runs_bundled_trainer:
-        # c10d, not static: the scheduler picks the hosts, and the rendezvous gives them their ranks.
-        # Node 0 (the head, MASTER_ADDR) hosts the rendezvous: said outright, since torch's own guess
-        # compares MASTER_ADDR with what the host name resolves to, which is another address on
-        # multi-homed nodes.
+        # Static, as `trainer launch` starts it: the node's rank is the scheduler's node id and node 0
+        # (MASTER_ADDR) hosts the store. A c10d rendezvous hosted by node 0 failed jobs that had
+        # trained to the end: node 0's torchrun exits with its store first, and a slower node's
+        # torchrun then fails to close the rendezvous (exit 1, "failed to shutdown the rendezvous").
         lines += [
-            'if [ "$NODE_RANK" = 0 ]; then rdzv_host=1; else rdzv_host=0; fi',
-            "# The address this node reaches the head from: what the other nodes connect to (torchrun",
-            "# would otherwise advertise whatever the host name resolves to).",
+            "# The address this node reaches the head from (torchrun would otherwise advertise whatever",
+            "# the host name resolves to).",
             'local_addr=$(ip -o route get "$MASTER_ADDR" 2>/dev/null'
             " | sed -n 's/.* src \\([^ ]*\\).*/\\1/p')",
             f'exec {shlex.quote(str(venv_bin / "torchrun"))} --nnodes="$NNODES" '
-            '--nproc-per-node="$GPUS_PER_NODE" --rdzv-backend=c10d '
-            '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$CLUSTER_JOB_ID" '
-            '--rdzv-conf="is_host=$rdzv_host" ${local_addr:+--local-addr="$local_addr"} --max-restarts=0 \\\n'
+            '--nproc-per-node="$GPUS_PER_NODE" --node-rank="$NODE_RANK" '
+            '--master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" '
+            '${local_addr:+--local-addr="$local_addr"} --max-restarts=0 \\\n'
             f"  --no-python {shlex.quote(str(venv_bin / 'trainer'))} train"
             ' --config "$launch_dir/config.yaml"',
         ]
