@@ -1,20 +1,24 @@
 """Provisioning time: site.yml on the 3-container test bed, cold and idempotent, tuned vs Ansible's defaults.
 
-Runs, in one go:
-  1. cold:        fresh containers (Molecule destroy + create), `ansible-playbook site.yml` with
-                  this repo's ansible.cfg (forks 20, smart gathering + jsonfile fact cache,
-                  pipelining and ControlPersist for SSH);
-  2. idempotent:  the same again, nothing left to change;
-  3. defaults:    the idempotent run with Ansible's defaults (an empty config: forks 5, implicit
-                  gathering in every play, memory fact cache, no pipelining).
-  4. mitogen:     the idempotent run with Mitogen's `mitogen_linear` strategy, when the `mitogen`
-                  package is installed (opt-in; `pip install mitogen`), else said and skipped.
+Every node of the bed is reached over SSH, as on a real cluster (molecule/default/inventory). Runs,
+in one go:
+  1. cold, defaults:     fresh containers (Molecule destroy + create + prepare), `ansible-playbook
+                         site.yml` with Ansible's defaults (an empty config: forks 5, implicit
+                         gathering in every play, memory fact cache, no pipelining);
+  2. idempotent, defaults: the same again, nothing left to change;
+  3. cold, tuned:        fresh containers again, with this repo's ansible.cfg (forks 20, smart
+                         gathering + jsonfile fact cache, pipelining and ControlPersist for SSH);
+  4. idempotent, tuned:  the same again;
+  5. mitogen:            the idempotent run with Mitogen's `mitogen_linear` strategy, when the
+                         `mitogen` package is installed (opt-in; `pip install -e .[mitogen]`), else
+                         said and skipped.
 With --each, one more idempotent run per setting, each with only that setting back at its default,
 so the output says what each one buys. Prints seconds and the ratios.
 
 The test bed is shared: the status file says `down` while this rebuilds it, and `up` again after
 the runs (the bed is left converged, as Molecule's verify would leave it).
-Usage: python bench/provision.py [--each] [--keep-warm]  (--keep-warm: skip the rebuild, no cold run)
+Usage: python bench/provision.py [--each] [--keep-warm]
+  (--keep-warm: reuse the converged bed; no cold runs, only the idempotent ones)
 """
 
 from __future__ import annotations
@@ -51,6 +55,15 @@ def set_status(text: str) -> None:
 
 def molecule(*args: str) -> None:
     subprocess.run([str(MOLECULE), *args, "-s", "default"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+
+
+def rebuild_bed() -> None:
+    """Fresh containers with the bed's access set-up (SSH keys, ops on port 2222, admin with sudo)."""
+    set_status("down")
+    molecule("destroy")
+    molecule("dependency")  # the shared dir, the network, the controller's key (access.sh)
+    molecule("create")
+    molecule("prepare")
 
 
 def run_site(label: str, env_changes: dict[str, str], fact_cache: Path) -> float:
@@ -98,22 +111,25 @@ def main() -> int:
     parser.add_argument("--each", action="store_true", help="also measure each setting on its own")
     parser.add_argument("--keep-warm", action="store_true", help="reuse the converged bed; no cold run")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="clustertrain-bench-facts-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="clustertrain-bench-facts-") as tmp,
+        tempfile.NamedTemporaryFile("w", suffix=".cfg") as empty_cfg,
+    ):
         fact_cache = Path(tmp)
+        defaults_env = {"ANSIBLE_CONFIG": empty_cfg.name, "ANSIBLE_ROLES_PATH": str(REPO / "roles")}
         results: dict[str, float] = {}
         if not args.keep_warm:
-            set_status("down")
-            molecule("destroy")
-            molecule("create")
-            molecule("prepare")  # the bed's access set-up (ops on port 2222, admin with sudo)
+            rebuild_bed()
+            results["cold defaults"] = run_site("cold site.yml (Ansible defaults)", defaults_env, fact_cache)
+            results["defaults"] = run_site("idempotent site.yml (Ansible defaults)", defaults_env, fact_cache)
+            rebuild_bed()
             results["cold"] = run_site("cold site.yml (tuned ansible.cfg)", {}, fact_cache)
         results["idempotent"] = run_site("idempotent site.yml (tuned)", {}, fact_cache)
-        with tempfile.NamedTemporaryFile("w", suffix=".cfg") as empty_cfg:
-            defaults_env = {"ANSIBLE_CONFIG": empty_cfg.name, "ANSIBLE_ROLES_PATH": str(REPO / "roles")}
+        if "defaults" not in results:
             results["defaults"] = run_site("idempotent site.yml (Ansible defaults)", defaults_env, fact_cache)
         mitogen_env = mitogen_strategy_env()
         if mitogen_env is None:
-            print("mitogen: not installed (pip install mitogen); its run is skipped", flush=True)
+            print("mitogen: not installed (pip install -e .[mitogen]); its run is skipped", flush=True)
         else:
             label = "idempotent site.yml (tuned + mitogen_linear)"
             results["mitogen"] = run_site(label, mitogen_env, fact_cache)
@@ -123,10 +139,11 @@ def main() -> int:
         set_status("up")
     print()
     if "cold" in results:
-        print(f"cold / idempotent:          {results['cold'] / results['idempotent']:.2f}x")
-    print(f"defaults / tuned (idempotent): {results['defaults'] / results['idempotent']:.2f}x")
+        print(f"cold / idempotent (tuned):        {results['cold'] / results['idempotent']:.2f}x")
+        print(f"cold: defaults / tuned:           {results['cold defaults'] / results['cold']:.2f}x")
+    print(f"idempotent: defaults / tuned:     {results['defaults'] / results['idempotent']:.2f}x")
     if "mitogen" in results:
-        print(f"tuned / tuned + mitogen (idempotent): {results['idempotent'] / results['mitogen']:.2f}x")
+        print(f"idempotent: tuned / tuned + mitogen: {results['idempotent'] / results['mitogen']:.2f}x")
     for name in SETTINGS:
         if name in results:
             print(f"  {name}: saves {results[name] - results['idempotent']:+.1f} s per idempotent run")

@@ -172,7 +172,11 @@ def test_trainer_env_builds_deepspeed_ops_ahead_idempotently_and_clears_a_stale_
     assert torch_extensions.check({"TORCH_EXTENSIONS_DIR": str(root)})["built"] == {
         "deepspeed_shm_comm": True
     }
-    assert build()["changed"] is False  # provisioning twice changes nothing
+    second = build()  # provisioning twice changes nothing, and needs no import of torch or DeepSpeed
+    assert second["changed"] is False and second.get("up_to_date") is True, second
+    library = Path(manifest["ops"]["deepspeed_shm_comm"])
+    os.utime(library, (library.stat().st_atime, library.stat().st_mtime - 60))  # not what was built
+    assert build().get("up_to_date") is None  # looked at by torch's own build check again
     (root / "deepspeed_shm_comm" / "lock").touch()  # a build killed by a stopped converge
     third = build()
     assert third["removed_stale"] == [str(root / "deepspeed_shm_comm" / "lock")] and third["changed"] is True

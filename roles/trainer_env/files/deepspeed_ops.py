@@ -9,8 +9,14 @@ EXTENSIONS_DIR (the venv sets TORCH_EXTENSIONS_DIR to it). Stale build locks the
 midway) are removed first. Writes clustertrain-ops.json (op -> built library) and prints JSON
 {"changed", "built", "removed_stale", "seconds"}; changed is false when every library was already
 up to date (ninja rebuilt nothing), so provisioning stays idempotent.
+
+Importing torch and DeepSpeed only to find nothing to build took 10-18 s per node on every
+idempotent run, so the manifest also records what the build depended on (python, torch and
+DeepSpeed versions, the op builders asked for) and each library's size and mtime: when all of them
+are as recorded and no stale lock was found, nothing is imported and nothing is built.
 """
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -22,6 +28,32 @@ def libraries(root: Path) -> dict[str, float]:
     return {str(p): p.stat().st_mtime for p in root.glob("*/*.so")}
 
 
+def build_inputs(extra: list[str]) -> dict:
+    """What a rebuild depends on, read without importing torch or DeepSpeed."""
+    return {
+        "python": sys.version,
+        "torch": importlib.metadata.version("torch"),
+        "deepspeed": importlib.metadata.version("deepspeed"),
+        "builders": sorted(extra),
+    }
+
+
+def library_stamps(built: dict[str, str]) -> dict[str, list[float]]:
+    stamps = {}
+    for library in built.values():
+        info = os.stat(library)
+        stamps[library] = [info.st_size, info.st_mtime]
+    return stamps
+
+
+def up_to_date(manifest_path: Path, inputs: dict) -> bool:
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        return manifest.get("inputs") == inputs and manifest.get("libraries") == library_stamps(manifest["ops"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def main() -> int:
     root = Path(sys.argv[1])
     extra = sys.argv[2:]
@@ -31,6 +63,11 @@ def main() -> int:
     from trainer.torch_extensions import MANIFEST, remove_stale
 
     removed = remove_stale({"TORCH_EXTENSIONS_DIR": str(root), "XDG_CACHE_HOME": str(root / ".none")})
+    manifest_path = root / MANIFEST
+    inputs = build_inputs(extra)
+    if not removed and up_to_date(manifest_path, inputs):
+        print(json.dumps({"changed": False, "built": {}, "removed_stale": [], "seconds": 0.0, "up_to_date": True}))
+        return 0
     before = libraries(root)
     started = time.monotonic()
 
@@ -48,8 +85,12 @@ def main() -> int:
         module = builder.load()
         built[Path(module.__file__).parent.name] = module.__file__
     after = libraries(root)
-    manifest = {"ops": built, "accelerator": get_accelerator()._name}
-    manifest_path = root / MANIFEST
+    manifest = {
+        "ops": built,
+        "accelerator": get_accelerator()._name,
+        "inputs": inputs,
+        "libraries": library_stamps(built),
+    }
     old = manifest_path.read_text() if manifest_path.exists() else ""
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     if text != old:
