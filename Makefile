@@ -13,7 +13,7 @@ ARGS      ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 PIP := $(BIN)/pip install -q --disable-pip-version-check
 
-.PHONY: help install install-train install-dev system-deps train provision preflight test test-fast molecule test-vm lint bench clean
+.PHONY: help install install-train install-dev install-mitogen system-deps train provision preflight test test-fast molecule test-vm lint bench clean
 
 help:
 	@echo "make install     the controller: Ansible, ansible-runner (no torch)"
@@ -54,8 +54,12 @@ $(VENV)/.installed-dev: $(VENV)/.installed-train
 train: install-train
 	$(BIN)/trainer launch -i $(INVENTORY) $(ARGS)
 
+# MITOGEN=1: Mitogen's strategy (opt-in; make install-mitogen first).
 provision: install
-	$(BIN)/ansible-playbook site.yml -i $(INVENTORY) $(ARGS)
+	$(if $(MITOGEN),VENV_PYTHON=$(BIN)/python scripts/with-mitogen.sh )$(BIN)/ansible-playbook site.yml -i $(INVENTORY) $(ARGS)
+
+install-mitogen: install
+	$(PIP) -e ".[mitogen]"
 
 # The embedded default's shared dir is the repo's output/, which a fresh clone does not have yet.
 preflight: $(if $(filter inventory/local,$(INVENTORY)),install-train,install)

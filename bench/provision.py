@@ -10,7 +10,7 @@ in one go:
                          gathering + jsonfile fact cache, pipelining and ControlPersist for SSH);
   4. idempotent, tuned:  the same again;
   5. mitogen:            the idempotent run with Mitogen's `mitogen_linear` strategy, when the
-                         `mitogen` package is installed (opt-in; `pip install -e .[mitogen]`), else
+                         `mitogen` package is installed (opt-in; make install-mitogen), else
                          said and skipped.
 With --each, one more idempotent run per setting, each with only that setting back at its default,
 so the output says what each one buys. Prints seconds and the ratios.
@@ -24,6 +24,7 @@ Usage: python bench/provision.py [--each] [--keep-warm]
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
@@ -36,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 INVENTORY = REPO / "molecule" / "default" / "inventory"
 MOLECULE = REPO / "scripts" / "testbed" / "molecule.sh"
+WITH_MITOGEN = REPO / "scripts" / "with-mitogen.sh"
 STATUS = Path("/tmp/clustertrain-testbed.status")
 PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
@@ -66,12 +68,18 @@ def rebuild_bed() -> None:
     molecule("prepare")
 
 
-def run_site(label: str, env_changes: dict[str, str], fact_cache: Path) -> float:
+def run_site(
+    label: str, env_changes: dict[str, str], fact_cache: Path, prefix: tuple[str, ...] = ()
+) -> float:
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_CACHE_PLUGIN_CONNECTION=str(fact_cache))
     env.update(env_changes)
     started = time.monotonic()
     result = subprocess.run(
-        [str(PLAYBOOK), "site.yml", "-i", str(INVENTORY)], cwd=REPO, env=env, capture_output=True, text=True
+        [*prefix, str(PLAYBOOK), "site.yml", "-i", str(INVENTORY)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     seconds = time.monotonic() - started
     recaps = {m[1]: (int(m[3]), int(m[5])) for m in RECAP.finditer(result.stdout)}
@@ -94,14 +102,8 @@ def run_site(label: str, env_changes: dict[str, str], fact_cache: Path) -> float
     return seconds
 
 
-def mitogen_strategy_env() -> dict[str, str] | None:
-    """The environment that runs site.yml under Mitogen's strategy, or None without the package."""
-    try:
-        import ansible_mitogen  # optional: only this measurement needs it
-    except ImportError:
-        return None
-    plugins = Path(ansible_mitogen.__file__).parent / "plugins" / "strategy"
-    return {"ANSIBLE_STRATEGY": "mitogen_linear", "ANSIBLE_STRATEGY_PLUGINS": str(plugins)}
+def mitogen_installed() -> bool:
+    return importlib.util.find_spec("ansible_mitogen") is not None
 
 
 def main() -> int:
@@ -127,12 +129,13 @@ def main() -> int:
         results["idempotent"] = run_site("idempotent site.yml (tuned)", {}, fact_cache)
         if "defaults" not in results:
             results["defaults"] = run_site("idempotent site.yml (Ansible defaults)", defaults_env, fact_cache)
-        mitogen_env = mitogen_strategy_env()
-        if mitogen_env is None:
-            print("mitogen: not installed (pip install -e .[mitogen]); its run is skipped", flush=True)
+        if not mitogen_installed():
+            print("mitogen: not installed (make install-mitogen); its run is skipped", flush=True)
         else:
+            # The way `make provision MITOGEN=1` runs it.
             label = "idempotent site.yml (tuned + mitogen_linear)"
-            results["mitogen"] = run_site(label, mitogen_env, fact_cache)
+            env = {"VENV_PYTHON": sys.executable}
+            results["mitogen"] = run_site(label, env, fact_cache, prefix=(str(WITH_MITOGEN),))
         if args.each:
             for name, env_changes in SETTINGS.items():
                 results[name] = run_site(f"idempotent, without {name}", env_changes, fact_cache)

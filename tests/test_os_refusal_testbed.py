@@ -63,6 +63,10 @@ def test_site_refuses_a_rhel_family_host_before_changing_any_host(rocky_host, tm
         "cluster_ip": "10.89.42.20",
         "cluster_accelerators": 0,
         "cluster_accelerator_model": "cpu",
+        # No sshd in this stand-in OS: reached through podman (the bed's nodes are reached over SSH).
+        "ansible_connection": "containers.podman.podman",
+        "ansible_host": FAKE,
+        "ansible_user": "root",
     }
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
     # The bed's wheelhouse path is found relative to its own inventory dir; this copy has none, and
