@@ -5,7 +5,9 @@ command to the first logged step of rank 0 on the screen. The launcher's time in
 it adds: its own start, the plan, ansible-runner and ansible-playbook, the probe and start round
 trips, and the poll that brings the step line to the screen. Rounds are interleaved (launcher, by
 hand, by hand, launcher, ...) so a machine whose load drifts weighs on both alike; the medians are
-compared. One more launch, in this process, is taken apart by phase.
+compared, with the time the command printed its first line (its own start-up). One more launch, in
+this process, is taken apart by phase, the last one at the moment rank 0's log got the step line
+(the log's mtime: the trainer's start-up before it, the watch's poll after it).
 
 Where: two loopback "hosts" on this machine, always; and the Molecule test bed (ct-head,
 ct-worker1, ct-worker2: 3 nodes) too when /tmp/clustertrain-testbed.status says `up` (--loopback:
@@ -18,14 +20,17 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -33,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 TESTBED_INVENTORY = REPO / "molecule" / "default" / "inventory"
 STATUS = Path("/tmp/clustertrain-testbed.status")
 STEP = re.compile(r"^step (\d+)/(\d+)")
+#: A run (6 tiny steps) still running this long after its first step is hung, not slow.
+RUN_TIMEOUT_S = 120.0
 TRAIN_SETS = ["train.max_steps=6", "train.warmup_steps=1", "train.log_every=1", "checkpoint.save_steps=0"]
 
 
@@ -94,23 +101,58 @@ def make_inventory(workdir: Path, loopback: bool, hosts: int, port: int) -> tupl
     return inventory, nodes
 
 
-def time_launcher(inventory: Path, run_name: str) -> float:
+def _drain(stream: Any, into: list[str]) -> threading.Thread:
+    """Read the rest of a process's output on a thread (so that waiting for it can time out)."""
+    thread = threading.Thread(target=lambda: into.extend(stream), daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_all(procs: list[subprocess.Popen], what: str) -> list[int] | None:
+    """Exit codes, or None when a process had not ended RUN_TIMEOUT_S after the step was seen: then
+    every one is stopped (SIGINT first: the launcher's Ctrl-C stops its nodes) and it is said so. The
+    time to the first step stands; a rank hung in its teardown must not stall the whole bench."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        return [proc.wait(max(1.0, deadline - time.monotonic())) for proc in procs]
+    except subprocess.TimeoutExpired:
+        pass
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    print(f"  ({what}: still running {RUN_TIMEOUT_S:.0f} s after its first step, stopped)", file=sys.stderr)
+    return None
+
+
+def time_launcher(inventory: Path, run_name: str) -> tuple[float, float]:
+    """Seconds to the first step on the screen, and to the command's first line (its own start-up:
+    interpreter, imports, inventory and plan)."""
     sets = [arg for item in TRAIN_SETS for arg in ("--set", item)]
     command = [sys.executable, "-m", "trainer", "launch", "-i", str(inventory), "--run-name", run_name, *sets]
     started = time.monotonic()
-    first = None
+    first = first_line = None
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         output = []
         for line in proc.stdout:
             output.append(line)
-            if first is None and STEP.match(line):
+            if first_line is None:
+                first_line = time.monotonic() - started
+            if STEP.match(line):
                 first = time.monotonic() - started
-        proc.wait()
-    if proc.returncode != 0 or first is None:
+                break
+        drain = _drain(proc.stdout, output)
+        codes = _wait_all([proc], "trainer launch")
+        drain.join()
+    if (codes is not None and codes != [0]) or first is None or first_line is None:
         raise SystemExit(
             f"trainer launch failed (exit {proc.returncode}) or logged no step:\n{''.join(output[-30:])}"
         )
-    return first
+    return first, first_line
 
 
 def by_hand_command(loopback: bool, node: dict, env: dict[str, str], venv: str) -> list[str]:
@@ -160,10 +202,13 @@ def time_by_hand(loopback: bool, nodes: list[dict], port: int, output_dir: str, 
             )
         )
     for line in procs[0].stdout:
-        if first is None and STEP.match(line):
+        if STEP.match(line):
             first = time.monotonic() - started
-    codes = [p.wait() for p in procs]
-    if any(codes) or first is None:
+            break
+    drain = _drain(procs[0].stdout, [])
+    codes = _wait_all(procs, "torchrun by hand")
+    drain.join()
+    if (codes is not None and any(codes)) or first is None:
         raise SystemExit(f"torchrun by hand failed (exit codes {codes}) or logged no step")
     return first
 
@@ -200,10 +245,26 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
     class FirstStep(Exception):
         pass
 
+    wall_started = time.time() - (time.monotonic() - started)
+    head_log = Path(plan.launch_dir) / "node-0" / "log"
+
     def on_message(message: dict) -> None:
-        for line in (message.get("report") or {}).get("lines") or []:
+        report = message.get("report") or {}
+        if message.get("host") != plan.topology.head.host:
+            return
+        for line in report.get("lines") or []:
             if STEP.match(line):
-                mark("first step shown (trainer start-up, poll)")
+                # Rank 0's log (the shared dir is this machine's, on loopback and on the bed): when it
+                # has not grown since this answer, its mtime is when the step line was written.
+                try:
+                    written = head_log.stat()
+                except OSError:
+                    written = None
+                if written is not None and written.st_size == report.get("offset"):
+                    marks.append(
+                        ("first step written on the node (trainer start-up)", written.st_mtime - wall_started)
+                    )
+                mark("first step shown (the watch's poll)")
                 raise FirstStep
 
     extravars = launcher.extravars(launch_files=launcher.files, launch_info=launcher.info())
@@ -226,7 +287,7 @@ def measure(where: str, loopback: bool, hosts: int, rounds: int) -> dict:
             settings.update(yaml.safe_load(path.read_text()) or {})
         shared = str(workdir / "shared") if loopback else settings["cluster_shared_dir"]
         venv = str(REPO / ".venv") if loopback else settings["training_venv"]
-        launcher_s, by_hand_s, names = [], [], []
+        launcher_s, first_line_s, by_hand_s, names = [], [], [], []
         try:
             for round_number in range(rounds):
                 order = ("launcher", "by hand") if round_number % 2 == 0 else ("by hand", "launcher")
@@ -234,7 +295,9 @@ def measure(where: str, loopback: bool, hosts: int, rounds: int) -> dict:
                     name = f"bench-launch-{os.getpid()}-{round_number}"
                     if kind == "launcher":
                         names.append(name)
-                        launcher_s.append(time_launcher(inventory, name))
+                        to_step, to_first_line = time_launcher(inventory, name)
+                        launcher_s.append(to_step)
+                        first_line_s.append(to_first_line)
                     else:
                         names.append(f"{name}-by-hand")
                         by_hand_s.append(
@@ -246,18 +309,32 @@ def measure(where: str, loopback: bool, hosts: int, rounds: int) -> dict:
             # The test bed's shared dir is a directory of this machine, bind-mounted into the containers.
             for name in names:
                 shutil.rmtree(f"{shared}/runs/{name}", ignore_errors=True)
-    return {"where": where, "launcher": launcher_s, "by_hand": by_hand_s, "phases": breakdown}
+    return {
+        "where": where,
+        "launcher": launcher_s,
+        "first_line": first_line_s,
+        "by_hand": by_hand_s,
+        "phases": breakdown,
+    }
+
+
+def _seconds(values: list[float]) -> str:
+    return ", ".join(f"{value:.1f}" for value in values)
 
 
 def report(result: dict) -> None:
     launcher, by_hand = statistics.median(result["launcher"]), statistics.median(result["by_hand"])
     print(f"\n{result['where']}:")
-    print(f"  trainer launch      : {launcher:6.1f} s to the first step (median of {result['launcher']})")
-    print(f"  torchrun by hand    : {by_hand:6.1f} s to the first step (median of {result['by_hand']})")
+    print(f"  trainer launch      : {launcher:6.1f} s to the first step ({_seconds(result['launcher'])})")
+    print(f"  torchrun by hand    : {by_hand:6.1f} s to the first step ({_seconds(result['by_hand'])})")
     print(f"  launcher overhead   : {launcher - by_hand:6.1f} s (ratio {launcher / by_hand:.2f}x)")
+    print(
+        f"  its first line at   : {statistics.median(result['first_line']):6.2f} s (the command's own "
+        "start-up: interpreter, imports, inventory, plan)"
+    )
     print("  one launch by phase (seconds from the start, in-process):")
     previous = 0.0
-    for name, at in result["phases"]:
+    for name, at in sorted(result["phases"], key=lambda mark: mark[1]):
         print(f"    {at:6.2f} (+{at - previous:5.2f})  {name}")
         previous = at
 
