@@ -10,7 +10,7 @@ API::
         extravars={"key": "value"},        # passed as -e @file, never on the command line
         on_event=print,                    # called on the caller's thread with each event dict, once
         cancel=threading.Event(),          # set it to stop the run (ansible-playbook is terminated)
-        limit="head", tags="probe",        # optional --limit / --tags
+        limit="head", tags="probe",        # optional --limit / --tags / --skip-tags (skip_tags=)
         on_message=handle,                 # messages of the playbook's action plugins (see below)
         on_tick=check_clock,               # called on the caller's thread about twice a second
     )
@@ -365,6 +365,7 @@ def run_playbook(
     access: access_options.Access | None = None,
     on_message: Callable[[dict[str, Any]], None] | None = None,
     on_tick: Callable[[], None] | None = None,
+    skip_tags: str | None = None,
 ) -> PlaybookResult:
     """Run `playbook` against `inventory` and return what happened on each host.
 
@@ -429,6 +430,7 @@ def run_playbook(
             extravars=extravars,
             limit=limit,
             tags=tags,
+            skip_tags=skip_tags,
             verbosity=verbosity or None,
             json_mode=True,
             quiet=True,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pwd
 import signal
 import socket
 import sys
@@ -40,7 +41,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -86,6 +87,32 @@ BUNDLED_STALL_TIMEOUT_S = 600.0
 #: Exit codes of the bundled trainer that a restart would only repeat (config, data, a full disk:
 #: the restarted trainer's own room check would refuse again).
 NOT_RESTARTABLE = {exitcodes.CONFIG_ERROR, exitcodes.DATA_ERROR, exitcodes.NO_SPACE}
+
+
+#: Connections that run a task as `ansible_user` (without become): ssh's and paramiko's.
+SSH_CONNECTIONS = frozenset(
+    {"ssh", "ansible.builtin.ssh", "paramiko", "paramiko_ssh", "ansible.builtin.paramiko_ssh"}
+)
+#: The local connection runs every task as the launcher's own account.
+LOCAL_CONNECTIONS = frozenset({"local", "ansible.builtin.local"})
+
+
+def connecting_user(host_vars: Mapping[str, Any]) -> str | None:
+    """The account Ansible runs a host's tasks as (before become), where its inventory variables say
+    so outright: this process's own for a local connection, `ansible_user` for ssh given in full;
+    None when only the host can tell (the `id -un` round trip) or a become variable is set."""
+    if any(key.startswith("ansible_become") for key in host_vars) or "ansible_ssh_user" in host_vars:
+        return None
+    connection = host_vars.get("ansible_connection")
+    if connection in LOCAL_CONNECTIONS:
+        try:
+            return pwd.getpwuid(os.geteuid()).pw_name
+        except KeyError:
+            return None
+    user = host_vars.get("ansible_user")
+    if connection in SSH_CONNECTIONS and isinstance(user, str) and user:
+        return user
+    return None
 
 
 @dataclass(frozen=True)
@@ -165,6 +192,14 @@ class Launcher:
     def hosts(self) -> list[str]:
         return [n.host for n in self.plan.topology.nodes]
 
+    @property
+    def lock_in_probe(self) -> bool:
+        """Whether the head's probe takes the run's lock in its own round trip (start.yml): when the
+        inventory says Ansible reaches the head as the training user. Otherwise a round trip finds
+        out who it connects as, and another takes the lock, become the training user if need be."""
+        user = connecting_user(self.plan.topology.head.vars)
+        return user is not None and self.plan.training_user in ("", user)
+
     # --- what the playbooks get ---------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
@@ -243,6 +278,7 @@ class Launcher:
             "launch_stop_record": {},
             "launch_tail": 20,
             "launch_lock_request": self.lock.request("acquire"),
+            "launch_lock_in_probe": self.lock_in_probe,
             "launch_release_lock": False,
             "launch_release_lock_when_done": True,
             "launch_reuse": False,
@@ -255,12 +291,21 @@ class Launcher:
             for node in extravars["launch_nodes"].values():
                 node["secret_env"] = {}
                 node["run_sh"] = ""
+        skip = []
+        if playbook == "start.yml" and self.plan.runs_bundled_trainer:
+            skip.append("launch_command_check")  # no command of the user's to check
+        if playbook == "start.yml":
+            # The lock: by the head's probe (lock_in_probe), else by the two tasks before the probe.
+            skip.append(
+                "launch_lock_task" if extravars.get("launch_lock_in_probe") else "launch_lock_deferred"
+            )
         return run_playbook(
             PLAYBOOKS / playbook,
             self.plan.topology.inventory,
             extravars,
             env=self.env,
             limit=",".join(self.hosts),
+            skip_tags=",".join(skip) or None,
             **kwargs,
         )
 
@@ -359,6 +404,13 @@ class Launcher:
                     )
                     + ")"
                 )
+            if task == PROBE_TASK and host == topo.head.host and res.get("lock"):
+                # The head's probe took the lock (lock_in_probe), or was refused it and probed nothing.
+                if res["lock"].get("acquired"):
+                    self.lock.held = True
+                elif name == "runner_on_failed" and "holder" in res["lock"]:
+                    lock_refused.append(res["lock"].get("holder") or {})
+                    return
             if task in (LOCK_TASK, RELEASE_TASK) and not data.get("ignore_errors"):
                 if name == "runner_on_ok" and task == LOCK_TASK:
                     self.lock.held = True
@@ -854,8 +906,8 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
         "--poll-interval",
         type=float,
         default=None,
-        help="seconds between status polls of each node; a poll answers early when there are new "
-        "lines (default: 2)",
+        help="seconds between status polls of each node, on average: a poll answers as soon as there "
+        "are new lines, and up to 3 may follow back to back (default: 2)",
     )
     parser.add_argument(
         "--unreachable-grace",

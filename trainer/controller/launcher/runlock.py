@@ -34,7 +34,8 @@ from typing import Any
 from trainer.controller.runner import run_playbook
 
 PLAYBOOK = PurePosixPath(__file__).parent / "playbooks" / "lock.yml"
-#: start.yml's tasks on the head (the launcher follows them by name).
+#: start.yml's tasks on the head (the launcher follows them by name; where the head's probe takes
+#: the lock, the launcher reads it from the probe's result instead).
 LOCK_TASK = "Take the run's lock on the head"
 RELEASE_TASK = "Release the run's lock"
 #: lock.yml's task.

@@ -13,7 +13,9 @@ machine), no file is copied first, and no secret is on a command line. Each call
 mount) or whose SSH stalls cannot hang the launcher.
 
 `watch` follows the node until its trainer ends: a long poll (the node answers when there are new
-lines, or after `poll_s`), each answer sent at once to the launcher through `channel` (a Unix
+lines, or after `poll_s`), one poll per `poll_s` on average with a burst of BURST_POLLS back to back
+(the few bursts of a start-up, the first step among them, are each shown at once rather than at the
+next interval), each answer sent at once to the launcher through `channel` (a Unix
 socket of trainer.controller.runner, one JSON line per message) instead of an Ansible event: a watch
 of days writes no event files and grows no event list. A poll that fails or gets no answer is sent
 as a miss (`since`: when the node stopped answering); the launcher decides when a node has been
@@ -73,6 +75,9 @@ ARGUMENT_LIMIT = 100_000
 #: Interface names as the kernel allows them: safe to write into run.sh unquoted.
 IFACE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 FINAL_STATES = ("exited", "vanished", "none")
+#: Polls a watch may send back to back before it waits for the interval: a quiet node's poll waits on
+#: the node and earns its credit back; a chatty log still gets one poll per `poll_s` on average.
+BURST_POLLS = 3
 
 
 class NoAnswer(Exception):
@@ -130,20 +135,17 @@ class ActionModule(ActionBase):
             result.update(failed=True, msg=f"{self._hostname}: {err}")
             return result
         result.update(answer)
-        if op == "probe":
+        if op == "probe" and request.get("lock") and not (answer.get("lock") or {}).get("acquired", True):
+            # The head's probe took no lock and probed nothing: another launch holds it.
+            result.update(failed=True, msg=self._lock_refusal(request["lock"], answer["lock"]))
+        elif op == "probe":
             problem = self._probe_problem(request, answer)
             if problem:
                 result.update(failed=True, msg=problem)
         elif op == "check" and answer.get("check_error"):
             result.update(failed=True, msg=answer["check_error"])
         elif op == "lock" and request.get("action") == "acquire" and not answer.get("acquired"):
-            holder = answer.get("holder") or {}
-            # The launcher words the refusal (it can tell whether the holder still runs).
-            result.update(
-                failed=True,
-                msg=f"the run's lock {request['launch_dir']}/lock is held by pid {holder.get('pid')} on "
-                f"{holder.get('controller')}",
-            )
+            result.update(failed=True, msg=self._lock_refusal(request, answer))
         result["changed"] = op == "start" or bool(
             answer.get("stopped") or answer.get("released") or answer.get("acquired")
         )
@@ -213,6 +215,15 @@ class ActionModule(ActionBase):
             "@CLUSTERTRAIN_IB_DISABLE@", str(int(args.get("ib_disable") or 0))
         )
 
+    @staticmethod
+    def _lock_refusal(request: dict, answer: dict) -> str:
+        # The launcher words the refusal (it can tell whether the holder still runs).
+        holder = answer.get("holder") or {}
+        return (
+            f"the run's lock {request['launch_dir']}/lock is held by pid {holder.get('pid')} on "
+            f"{holder.get('controller')}"
+        )
+
     def _probe_problem(self, request: dict, answer: dict) -> str:
         host, venv = self._hostname, request["venv"]
         problems = []
@@ -250,15 +261,23 @@ class ActionModule(ActionBase):
         host = self._hostname
         offset = request.get("offset")
         first_miss: float | None = None
-        last_poll = 0.0
+        # Polls that may start at once (a token bucket refilled at one per poll_s, BURST_POLLS deep).
+        credit, credit_at = float(BURST_POLLS), time.monotonic()
         channel = _Channel()
         try:
             channel.open(args.get("channel") or "")
             while True:
                 # A long poll comes back early when there is news (the first line of a quiet log is
-                # shown at once); a chatty log still gets one poll per interval.
-                time.sleep(max(0.0, last_poll + poll_s - time.monotonic()))
-                last_poll, poll_started = time.monotonic(), time.time()
+                # shown at once), and the next one starts at once while there is credit: a line that
+                # follows soon after (the first step after the start-up's lines) is not held back for
+                # an interval; a chatty log uses its credit up and gets one poll per interval.
+                now = time.monotonic()
+                credit, credit_at = min(float(BURST_POLLS), credit + (now - credit_at) / poll_s), now
+                if credit < 1.0:
+                    time.sleep((1.0 - credit) * poll_s)
+                    credit, credit_at = 1.0, time.monotonic()
+                credit -= 1.0
+                poll_started = time.time()
                 wait = poll_s if offset is not None else 0.0
                 try:
                     report = self._call(

@@ -58,9 +58,9 @@ from pathlib import Path
 MAX_CHUNK = 128 * 1024
 TAG_VARIABLE = "CLUSTERTRAIN_LAUNCH_ID"
 #: How long a status poll lingers after the first new bytes, so a burst of lines comes in one answer.
-LINGER_S = 0.2
+LINGER_S = 0.05
 #: How often a waiting status poll looks at the log and the exit record.
-WAIT_STEP_S = 0.1
+WAIT_STEP_S = 0.05
 
 
 def _launch_id(node_dir: Path) -> str | None:
@@ -511,10 +511,18 @@ def probe(request: dict) -> dict:
 
     venv = Path(request["venv"])
     user = pwd.getpwuid(os.geteuid()).pw_name
+    training_user = request.get("training_user") or user
+    taken: dict = {}
+    if request.get("lock") and training_user == user:
+        # The run's lock first, as the training user only (its files are that user's): a second
+        # launch of the run is refused before anything is probed. As another account, the lock is
+        # left to the task after the probe (`lock_deferred`), which takes it as the training user.
+        taken = lock(request["lock"])
+        if not taken.get("acquired"):
+            return {"user": user, "become": False, "lock": taken}
     # The bundled trainer needs torchrun and trainer; a user's own command only the venv's python
     # (this helper runs with it) and whatever the command itself starts.
     missing = [name for name in request["need"] if not os.access(venv / "bin" / name, os.X_OK)]
-    training_user = request.get("training_user") or user
     command_check = request.get("check")
     result = {
         "user": user,
@@ -527,6 +535,8 @@ def probe(request: dict) -> dict:
         # As the training user only: another account's view of the working dir says nothing.
         "checked": bool(command_check) and training_user == user,
         "check_error": check(command_check) if command_check and training_user == user else "",
+        "lock": taken,
+        "lock_deferred": bool(request.get("lock")) and not taken,
     }
     return result
 
@@ -616,7 +626,7 @@ def start(request: dict, program: str) -> dict:
                 raise Failure(
                     f"{path} is not visible on this node after {timeout_s:.0f} s: is the shared dir mounted?"
                 )
-            time.sleep(0.2)
+            time.sleep(0.05)
     # Not Ansible's own variables: with a local connection they include the controller's run marker
     # (trainer.controller.runner ends every process carrying it when the playbook ends; the trainer
     # must live on).
