@@ -129,11 +129,13 @@ def _wait_all(procs: list[subprocess.Popen], what: str) -> list[int] | None:
     return None
 
 
-def time_launcher(inventory: Path, run_name: str) -> tuple[float, float]:
-    """Seconds to the first step on the screen, and to the command's first line (its own start-up:
-    interpreter, imports, inventory and plan)."""
+def time_launcher(inventory: Path, run_name: str, launch_dir: Path) -> tuple[float, float, float]:
+    """Seconds to the first step on the screen, to the command's first line (its own start-up:
+    interpreter, imports, inventory and plan), and to the start of the last node's run.sh (its `pid`
+    file, written first thing): what the launcher adds before the trainers run, free of their start-up."""
     sets = [arg for item in TRAIN_SETS for arg in ("--set", item)]
     command = [sys.executable, "-m", "trainer", "launch", "-i", str(inventory), "--run-name", run_name, *sets]
+    wall_started = time.time()
     started = time.monotonic()
     first = first_line = None
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
@@ -148,11 +150,12 @@ def time_launcher(inventory: Path, run_name: str) -> tuple[float, float]:
         drain = _drain(proc.stdout, output)
         codes = _wait_all([proc], "trainer launch")
         drain.join()
-    if (codes is not None and codes != [0]) or first is None or first_line is None:
+    pids = list(launch_dir.glob("node-*/pid"))
+    if (codes is not None and codes != [0]) or first is None or first_line is None or not pids:
         raise SystemExit(
             f"trainer launch failed (exit {proc.returncode}) or logged no step:\n{''.join(output[-30:])}"
         )
-    return first, first_line
+    return first, first_line, max(path.stat().st_mtime for path in pids) - wall_started
 
 
 def by_hand_command(loopback: bool, node: dict, env: dict[str, str], venv: str) -> list[str]:
@@ -287,7 +290,7 @@ def measure(where: str, loopback: bool, hosts: int, rounds: int) -> dict:
             settings.update(yaml.safe_load(path.read_text()) or {})
         shared = str(workdir / "shared") if loopback else settings["cluster_shared_dir"]
         venv = str(REPO / ".venv") if loopback else settings["training_venv"]
-        launcher_s, first_line_s, by_hand_s, names = [], [], [], []
+        launcher_s, first_line_s, started_s, by_hand_s, names = [], [], [], [], []
         try:
             for round_number in range(rounds):
                 order = ("launcher", "by hand") if round_number % 2 == 0 else ("by hand", "launcher")
@@ -295,9 +298,11 @@ def measure(where: str, loopback: bool, hosts: int, rounds: int) -> dict:
                     name = f"bench-launch-{os.getpid()}-{round_number}"
                     if kind == "launcher":
                         names.append(name)
-                        to_step, to_first_line = time_launcher(inventory, name)
+                        launch_dir = Path(f"{shared}/runs/{name}/launch")
+                        to_step, to_first_line, to_started = time_launcher(inventory, name, launch_dir)
                         launcher_s.append(to_step)
                         first_line_s.append(to_first_line)
+                        started_s.append(to_started)
                     else:
                         names.append(f"{name}-by-hand")
                         by_hand_s.append(
@@ -313,13 +318,14 @@ def measure(where: str, loopback: bool, hosts: int, rounds: int) -> dict:
         "where": where,
         "launcher": launcher_s,
         "first_line": first_line_s,
+        "started": started_s,
         "by_hand": by_hand_s,
         "phases": breakdown,
     }
 
 
-def _seconds(values: list[float]) -> str:
-    return ", ".join(f"{value:.1f}" for value in values)
+def _seconds(values: list[float], digits: int = 1) -> str:
+    return ", ".join(f"{value:.{digits}f}" for value in values)
 
 
 def report(result: dict) -> None:
@@ -331,6 +337,11 @@ def report(result: dict) -> None:
     print(
         f"  its first line at   : {statistics.median(result['first_line']):6.2f} s (the command's own "
         "start-up: interpreter, imports, inventory, plan)"
+    )
+    started = statistics.median(result["started"])
+    print(
+        f"  its trainers from   : {started:6.2f} s ({_seconds(result['started'], 2)}: the last node's run.sh "
+        "started; the launcher's part before its trainers run)"
     )
     print("  one launch by phase (seconds from the start, in-process):")
     previous = 0.0
