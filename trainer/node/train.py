@@ -11,6 +11,7 @@ for its next checkpoint stops (exit NO_SPACE).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import traceback
@@ -492,6 +493,12 @@ def train(
     finally:
         progress.close()
         health.stop()
+        # Free the model first: DDP's reducer holds the gloo process group, and when the reducer was
+        # the group's last holder (after destroy_process_group) its destructor joined gloo's worker
+        # thread while holding the GIL that thread waited for: a finished rank hung at exit (seen
+        # with gdb, 2 of 12 runs on a loaded machine) until the launcher's stall timeout.
+        model = engine = trainer = evaluate = None
+        gc.collect()
         distributed.shutdown(clean)
 
 
