@@ -148,12 +148,13 @@ def test_a_killed_worker_trainer_restarts_from_its_checkpoint_with_the_same_fina
         summary = json.loads((output / "summary.json").read_text())
         straight = json.loads((reference / "summary.json").read_text())
         assert summary["resumed_from"] and summary["final_step"] == straight["final_step"] == 40
-        # The same loss to 7 digits, not to the bit: with three ranks, gloo's ring allreduce adds
-        # each gradient element's three terms in an order set by where the element falls in DDP's
-        # buckets, and a restarted process starts from the default buckets where the uninterrupted one
-        # had rebuilt them, so one rank's loss can differ in the last float32 bit (seen once on the bed:
-        # 3.0046462218 vs 3.0046463013). A wrong resume differs in the second or third digit. The
-        # 2-rank loopback test, where a sum of two terms has one order, still compares exactly.
+        # The same loss to 7 digits, not to the bit. Most likely cause: with three ranks, gloo's ring
+        # allreduce adds each gradient element's three terms in an order set by where the element falls
+        # in DDP's buckets, and a restarted process starts from the default buckets where the
+        # uninterrupted one had rebuilt them, so one rank's loss can differ in the last float32 bit
+        # (seen once on the bed: 3.0046462218 vs 3.0046463013; the rerun matched). A wrong resume
+        # differs in the second or third digit. The 2-rank loopback test (a sum of two terms has one
+        # order) still compares exactly.
         assert math.isclose(summary["final_loss"], straight["final_loss"], rel_tol=1e-7, abs_tol=0), (
             summary["final_loss"],
             straight["final_loss"],
