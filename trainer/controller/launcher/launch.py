@@ -292,9 +292,9 @@ class Launcher:
                 node["secret_env"] = {}
                 node["run_sh"] = ""
         skip = []
-        if playbook == "start.yml" and self.plan.runs_bundled_trainer:
-            skip.append("launch_command_check")  # no command of the user's to check
         if playbook == "start.yml":
+            if self.plan.runs_bundled_trainer:
+                skip.append("launch_command_check")  # no command of the user's to check
             # The lock: by the head's probe (lock_in_probe), else by the two tasks before the probe.
             skip.append(
                 "launch_lock_task" if extravars.get("launch_lock_in_probe") else "launch_lock_deferred"
