@@ -19,7 +19,7 @@ help:
 	@echo "make install     the controller: Ansible, ansible-runner (no torch)"
 	@echo "make train       train the embedded default on INVENTORY (default: inventory/local)"
 	@echo "make test        lint, fast tests, then the Molecule multi-host test bed"
-	@echo "make provision   ansible-playbook site.yml -i INVENTORY"
+	@echo "make provision   ansible-playbook site.yml -i INVENTORY (FULL=1: every role, even on a converged cluster)"
 	@echo "make preflight   check the cluster before a launch (report in output/preflight.json)"
 	@echo "make lint | bench | molecule | test-vm | install-train | install-dev | clean"
 
@@ -54,9 +54,10 @@ $(VENV)/.installed-dev: $(VENV)/.installed-train
 train: install-train
 	$(BIN)/trainer launch -i $(INVENTORY) $(ARGS)
 
-# MITOGEN=1: Mitogen's strategy (opt-in; make install-mitogen first).
+# MITOGEN=1: Mitogen's strategy (opt-in; make install-mitogen first). FULL=1: run every role even
+# when every node is as the last full run left it (roles/converged/README.md).
 provision: install
-	$(if $(MITOGEN),VENV_PYTHON=$(BIN)/python scripts/with-mitogen.sh )$(BIN)/ansible-playbook site.yml -i $(INVENTORY) $(ARGS)
+	$(if $(MITOGEN),VENV_PYTHON=$(BIN)/python scripts/with-mitogen.sh )$(BIN)/ansible-playbook site.yml -i $(INVENTORY) $(if $(FULL),-e converged_full_run=true )$(ARGS)
 
 install-mitogen: install
 	$(PIP) -e ".[mitogen]"

@@ -1,0 +1,431 @@
+#!/usr/bin/python
+"""Read what site.yml manages on a node, in one round trip, and compare it with the last full run.
+
+A full `site.yml` run ends by recording, on every node, what its roles manage there (the "watch
+spec" the roles name: files, directory listings, services, packages, accounts, mounts, ufw's rule
+set) and the state each item was left in. The next run's first step on each node (`mode: probe`)
+reads the same items again and compares: when every node still holds the state of the same full
+run, made from the same inputs (roles, trainer sources, wheelhouse, inventory), the roles have
+nothing to do and site.yml skips them (roles/converged/README.md).
+
+Modes:
+  probe   read-only (runs in check mode): the record, the items it names, now; what differs.
+  digest  read-only: the state of the items of `spec` now, and its digest.
+  record  write the record (root-only file) for `spec`, `inputs` and `cluster_digest`; unchanged,
+          and reported so, when the record already holds the same.
+
+Root reads paths an unprivileged user controls (the training user's ~/.ssh): every path is walked
+from / one component at a time with O_NOFOLLOW, so a symlink planted anywhere in it is recorded as
+such and never followed; only regular files are opened (O_NONBLOCK: a FIFO cannot hang the read).
+The item kinds are fixed here: the record names paths and units, never a command to run.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import hashlib
+import json
+import os
+import pwd
+import stat
+import subprocess
+import tempfile
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+
+DOCUMENTATION = r"""
+module: converged_state
+short_description: Read, compare and record the state site.yml's roles manage on a node
+options:
+  mode:
+    description: probe (compare with the record), digest (read only), record (write the record).
+    type: str
+    choices: [probe, digest, record]
+    required: true
+  path:
+    description: The record file (root-only).
+    type: path
+    default: /var/lib/clustertrain/converged.json
+  spec:
+    description: >-
+      What to read (digest, record) - paths, listings, services, packages, users, groups, mounts
+      (lists of names) and ufw (bool).
+    type: dict
+  inputs:
+    description: The controller's digest of the run's inputs (probe, record).
+    type: str
+  cluster_digest:
+    description: The digest of every node's state and the inputs, the same on every node (record).
+    type: str
+"""
+
+RETURN = r"""
+converged:
+  description: probe - the record exists, was made from these inputs, and every item it names is as recorded.
+  type: bool
+reasons:
+  description: probe - why not, one line each (at most 20).
+  type: list
+host_digest:
+  description: The digest of this node's items now (probe, digest, record).
+  type: str
+cluster_digest:
+  description: probe - the cluster digest the record holds.
+  type: str
+items:
+  description: How many items were read.
+  type: int
+"""
+
+RECORD_VERSION = 1
+SPEC_KINDS = ("paths", "listings", "services", "packages", "users", "groups", "mounts")
+MAX_REASONS = 20
+COMMAND_TIMEOUT_S = 20
+
+
+# --- paths, read without following a link --------------------------------------------------------
+
+
+class LinkInPath(Exception):
+    """A component of the path (not the last one) is a symbolic link or not a directory."""
+
+
+def open_parent(path: str) -> tuple[int, str]:
+    """A directory fd for the path's parent, walked from / with O_NOFOLLOW, and the last component."""
+    if not path.startswith("/"):
+        raise ValueError(f"not an absolute path: {path}")
+    parts = [part for part in path.split("/") if part]
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for index, part in enumerate(parts[:-1]):
+            try:
+                next_fd = os.open(
+                    part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+                )
+            except FileNotFoundError:
+                raise
+            except OSError as err:
+                if err.errno in (errno.ENOTDIR, errno.ELOOP):  # a link, or a file where a dir should be
+                    raise LinkInPath("/" + "/".join(parts[: index + 1])) from err
+                raise
+            os.close(fd)
+            fd = next_fd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1] if parts else "."
+
+
+def path_state(path: str) -> str:
+    try:
+        parent, name = open_parent(path)
+    except FileNotFoundError:
+        return "absent"
+    except LinkInPath as err:
+        return f"not a directory or a link in the path: {err}"
+    except OSError as err:
+        return f"unreadable: {err.strerror}"
+    try:
+        try:
+            st = os.lstat(name, dir_fd=parent)
+        except FileNotFoundError:
+            return "absent"
+        owner = f"{stat.S_IMODE(st.st_mode):04o} {st.st_uid}:{st.st_gid}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"link {owner} -> {os.readlink(name, dir_fd=parent)}"
+        if stat.S_ISDIR(st.st_mode):
+            return f"dir {owner}"
+        if not stat.S_ISREG(st.st_mode):
+            kinds = {
+                stat.S_IFIFO: "fifo",
+                stat.S_IFSOCK: "socket",
+                stat.S_IFCHR: "char",
+                stat.S_IFBLK: "block",
+            }
+            return f"{kinds.get(stat.S_IFMT(st.st_mode), 'special')} {owner}"
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+        with os.fdopen(fd, "rb") as handle:
+            digest = hashlib.sha256()
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        return f"file {owner} sha256:{digest.hexdigest()}"
+    finally:
+        os.close(parent)
+
+
+def listing_state(path: str) -> str:
+    """The sorted names in a directory (pip's dist-info dirs show which packages a venv holds)."""
+    try:
+        parent, name = open_parent(path)
+    except FileNotFoundError:
+        return "absent"
+    except LinkInPath as err:
+        return f"not a directory or a link in the path: {err}"
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        except FileNotFoundError:
+            return "absent"
+        except OSError as err:
+            return f"not a directory: {err.strerror}"
+        try:
+            # __pycache__ comes and goes with whoever imports a top-level module: not a change.
+            names = sorted(name for name in os.listdir(fd) if name != "__pycache__")
+        finally:
+            os.close(fd)
+        return "names sha256:" + hashlib.sha256("\n".join(names).encode()).hexdigest() + f" ({len(names)})"
+    finally:
+        os.close(parent)
+
+
+# --- system state ---------------------------------------------------------------------------------
+
+
+def run(argv: list[str]) -> tuple[int, str]:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False)
+    except FileNotFoundError:
+        return 127, ""
+    except subprocess.TimeoutExpired:
+        return 124, ""
+    return done.returncode, done.stdout
+
+
+def services_state(units: list[str]) -> dict[str, str]:
+    """Whether each unit runs and starts at boot (systemctl show, one call for all)."""
+    if not units:
+        return {}
+    rc, out = run(["systemctl", "show", "--property=Id,LoadState,ActiveState,UnitFileState", "--", *units])
+    blocks = [block for block in out.split("\n\n") if block.strip()] if rc == 0 else []
+    states = {}
+    for index, unit in enumerate(units):
+        if index >= len(blocks):
+            states[unit] = f"unknown (systemctl show exit {rc})"
+            continue
+        props = dict(line.split("=", 1) for line in blocks[index].splitlines() if "=" in line)
+        states[unit] = "{LoadState} {ActiveState} {UnitFileState}".format(
+            **{key: props.get(key, "?") for key in ("LoadState", "ActiveState", "UnitFileState")}
+        )
+    return states
+
+
+def packages_state(names: list[str]) -> dict[str, str]:
+    """dpkg's status of each package (`install ok installed` when it is there)."""
+    if not names:
+        return {}
+    _, out = run(["dpkg-query", "-W", "-f=${Package}\t${Status}\n", "--", *names])
+    found = dict(line.split("\t", 1) for line in out.splitlines() if "\t" in line)
+    return {name: found.get(name, "not installed") for name in names}
+
+
+def user_state(name: str) -> str:
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        return "absent"
+    return f"uid {entry.pw_uid} gid {entry.pw_gid} home {entry.pw_dir} shell {entry.pw_shell}"
+
+
+def group_state(name: str) -> str:
+    try:
+        return f"gid {grp.getgrnam(name).gr_gid}"
+    except KeyError:
+        return "absent"
+
+
+def mounts_state(points: list[str]) -> dict[str, str]:
+    """What is mounted on each mount point (source and file system type), from mountinfo."""
+    mounted: dict[str, str] = {}
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+            for line in handle:
+                left, _, right = line.partition(" - ")
+                fields, tail = left.split(), right.split()
+                if len(fields) >= 5 and len(tail) >= 2:
+                    point = fields[4].replace("\\040", " ")
+                    mounted[point] = f"{tail[1]} {tail[0]}"  # the last mount on a point is the one seen
+    except OSError as err:
+        return {point: f"unreadable: {err.strerror}" for point in points}
+    return {point: mounted.get(point.rstrip("/") or "/", "not mounted") for point in points}
+
+
+def ufw_state() -> str:
+    rc, out = run(["ufw", "status", "verbose"])
+    return f"exit {rc} sha256:{hashlib.sha256(out.encode()).hexdigest()}"
+
+
+def os_release() -> str:
+    return path_state("/etc/os-release")
+
+
+def read_state(spec: dict) -> dict[str, str]:
+    """Every item the spec names -> its state now, as one flat, comparable map."""
+    state = {"os-release": os_release()}
+    for path in spec.get("paths") or []:
+        state[f"path {path}"] = path_state(path)
+    for path in spec.get("listings") or []:
+        state[f"listing {path}"] = listing_state(path)
+    for unit, value in services_state(list(spec.get("services") or [])).items():
+        state[f"service {unit}"] = value
+    for name, value in packages_state(list(spec.get("packages") or [])).items():
+        state[f"package {name}"] = value
+    for name in spec.get("users") or []:
+        state[f"user {name}"] = user_state(name)
+    for name in spec.get("groups") or []:
+        state[f"group {name}"] = group_state(name)
+    for point, value in mounts_state(list(spec.get("mounts") or [])).items():
+        state[f"mount {point}"] = value
+    if spec.get("ufw"):
+        state["ufw status"] = ufw_state()
+    return state
+
+
+def digest_of(state: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+def normal_spec(spec: dict | None) -> dict:
+    """The spec with each list sorted and deduplicated: roles name some items twice."""
+    spec = spec or {}
+    unknown = sorted(set(spec) - set(SPEC_KINDS) - {"ufw"})
+    if unknown:
+        raise ValueError(
+            f"unknown kinds in the watch spec: {', '.join(unknown)} (known: {', '.join(SPEC_KINDS)}, ufw)"
+        )
+    normal: dict = {kind: sorted({str(item) for item in spec.get(kind) or []}) for kind in SPEC_KINDS}
+    normal["ufw"] = bool(spec.get("ufw"))
+    return normal
+
+
+# --- the record -----------------------------------------------------------------------------------
+
+
+def load_record(path: str) -> tuple[dict | None, str]:
+    directory = path_state(os.path.dirname(path))
+    if directory == "absent":
+        return None, "no record of a full run on this node"
+    if not directory.startswith("dir 0700 0:"):
+        return (
+            None,
+            f"{os.path.dirname(path)} is not a root-only directory ({directory}); the record is not read",
+        )
+    try:
+        parent, name = open_parent(path)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        finally:
+            os.close(parent)
+        with os.fdopen(fd, encoding="utf-8") as handle:
+            if os.fstat(handle.fileno()).st_uid != 0:
+                return None, f"{path} is not root's; ignored"
+            record = json.load(handle)
+    except FileNotFoundError:
+        return None, "no record of a full run on this node"
+    except (OSError, ValueError, LinkInPath) as err:
+        return None, f"record unreadable ({err}); a full run writes it again"
+    if not isinstance(record, dict) or record.get("version") != RECORD_VERSION:
+        return None, "record from another version of this check; a full run writes it again"
+    return record, ""
+
+
+def write_record(path: str, record: dict) -> None:
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
+        raise OSError(f"{directory} is not a directory owned by root")
+    os.chmod(directory, 0o700)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".converged.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(record, handle, indent=1, sort_keys=True)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def probe(params: dict) -> dict:
+    record, why = load_record(params["path"])
+    if record is None:
+        return {"converged": False, "reasons": [why], "host_digest": "", "cluster_digest": "", "items": 0}
+    state = read_state(record.get("spec") or {})
+    reasons = []
+    if record.get("inputs") != params["inputs"]:
+        reasons.append(
+            "the inputs changed since the last full run (roles, trainer sources, wheelhouse or inventory)"
+        )
+    recorded = record.get("state") or {}
+    for key in sorted(set(state) | set(recorded)):
+        if state.get(key) != recorded.get(key):
+            before, now = recorded.get(key, "not recorded"), state.get(key, "not read")
+            reasons.append(f"{key}: {shorten(before)} -> {shorten(now)}")
+    return {
+        "converged": not reasons,
+        "reasons": reasons[:MAX_REASONS]
+        + ([f"... and {len(reasons) - MAX_REASONS} more"] if len(reasons) > MAX_REASONS else []),
+        "host_digest": digest_of(state),
+        "cluster_digest": record.get("cluster_digest", ""),
+        "recorded_at": record.get("recorded_at", ""),
+        "items": len(state),
+    }
+
+
+def shorten(value: str) -> str:
+    return value if len(value) <= 60 else value[:44] + "..." + value[-13:]
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "mode": {"type": "str", "choices": ["probe", "digest", "record"], "required": True},
+            "path": {"type": "path", "default": "/var/lib/clustertrain/converged.json"},
+            "spec": {"type": "dict"},
+            "inputs": {"type": "str"},
+            "cluster_digest": {"type": "str"},
+        },
+        required_if=[
+            ("mode", "probe", ["inputs"]),
+            ("mode", "digest", ["spec"]),
+            ("mode", "record", ["spec", "inputs", "cluster_digest"]),
+        ],
+        supports_check_mode=True,
+    )
+    params = module.params
+    if params["mode"] == "probe":
+        module.exit_json(changed=False, **probe(params))
+    try:
+        spec = normal_spec(params["spec"])
+    except ValueError as err:
+        module.fail_json(msg=str(err))
+    state = read_state(spec)
+    result = {"host_digest": digest_of(state), "items": len(state)}
+    if params["mode"] == "digest":
+        module.exit_json(changed=False, **result)
+    record, _ = load_record(params["path"])
+    wanted = {
+        "version": RECORD_VERSION,
+        "spec": spec,
+        "inputs": params["inputs"],
+        "cluster_digest": params["cluster_digest"],
+        "state": state,
+    }
+    if record is not None and {key: record.get(key) for key in wanted} == wanted:
+        module.exit_json(changed=False, **result)
+    if not module.check_mode:
+        wanted["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            write_record(params["path"], wanted)
+        except OSError as err:
+            module.fail_json(msg=f"cannot write {params['path']}: {err}", **result)
+    module.exit_json(changed=True, **result)
+
+
+if __name__ == "__main__":
+    main()

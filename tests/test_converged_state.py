@@ -1,0 +1,199 @@
+"""The converged check's node side (roles/converged/library/converged_state.py), run as Ansible runs it.
+
+Each test runs the module as a separate process with its arguments file, on files in a temp dir:
+record, then probe, then change one thing a role manages and probe again. What a user notices:
+an untouched node is reported converged (site.yml skips its roles), and any change to a watched
+item names that item and makes the run a full one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODULE = Path(__file__).resolve().parents[1] / "roles" / "converged" / "library" / "converged_state.py"
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the record is root's own (its dir is checked for uid 0)"
+)
+
+
+def module(tmp_path: Path, **args) -> dict:
+    args_file = tmp_path / "args.json"
+    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
+    done = subprocess.run(
+        [sys.executable, str(MODULE), str(args_file)], capture_output=True, text=True, timeout=60
+    )
+    return json.loads(done.stdout)
+
+
+@pytest.fixture()
+def node(tmp_path: Path) -> dict:
+    """A few managed files and a record path, as a role would name them."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "chrony.conf").write_text("server head iburst\n")
+    (etc / "exports").write_text("/srv/shared 10.0.0.0/24(rw)\n")
+    venv = tmp_path / "site-packages"
+    venv.mkdir()
+    (venv / "torch-2.13.0.dist-info").mkdir()
+    spec = {
+        "paths": [str(etc / "chrony.conf"), str(etc / "exports"), str(etc / "absent.conf")],
+        "listings": [str(venv)],
+        "users": ["root"],
+        "groups": ["root"],
+        "mounts": ["/"],
+    }
+    return {
+        "tmp": tmp_path,
+        "etc": etc,
+        "venv": venv,
+        "spec": spec,
+        "record": str(tmp_path / "state" / "converged.json"),
+    }
+
+
+def record(node: dict, inputs: str = "inputs-1", cluster: str = "cluster-1") -> dict:
+    return module(
+        node["tmp"],
+        mode="record",
+        path=node["record"],
+        spec=node["spec"],
+        inputs=inputs,
+        cluster_digest=cluster,
+    )
+
+
+def probe(node: dict, inputs: str = "inputs-1") -> dict:
+    return module(node["tmp"], mode="probe", path=node["record"], inputs=inputs)
+
+
+def test_untouched_node_is_converged_and_its_digest_matches_the_record(node):
+    written = record(node)
+    assert written["changed"] is True
+    assert oct(os.stat(Path(node["record"]).parent).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(node["record"]).st_mode & 0o777) == "0o600"
+    seen = probe(node)
+    assert seen["converged"] is True, seen["reasons"]
+    assert seen["cluster_digest"] == "cluster-1"
+    assert seen["host_digest"] == written["host_digest"]
+    # 3 paths, 1 listing, 1 user, 1 group, 1 mount and the OS release
+    assert seen["items"] == 8
+
+
+def test_a_second_full_run_leaves_the_record_unchanged(node):
+    record(node)
+    before = Path(node["record"]).read_text()
+    again = record(node)
+    assert again["changed"] is False
+    assert Path(node["record"]).read_text() == before
+
+
+def test_a_changed_file_is_named_and_the_node_is_not_converged(node):
+    record(node)
+    (node["etc"] / "chrony.conf").write_text("server pool.invalid iburst\n")
+    seen = probe(node)
+    assert seen["converged"] is False
+    assert len(seen["reasons"]) == 1
+    assert seen["reasons"][0].startswith(f"path {node['etc'] / 'chrony.conf'}: file 0644 0:0 sha256:")
+
+
+def test_mode_owner_and_appearing_files_count_as_changes(node):
+    record(node)
+    os.chmod(node["etc"] / "exports", 0o666)
+    (node["etc"] / "absent.conf").write_text("x\n")
+    reasons = probe(node)["reasons"]
+    assert [reason.split(":")[0] for reason in reasons] == [
+        f"path {node['etc'] / 'absent.conf'}",
+        f"path {node['etc'] / 'exports'}",
+    ]
+    assert "absent -> file 0644" in reasons[0]
+    assert "file 0644" in reasons[1] and "-> file 0666" in reasons[1]
+
+
+def test_a_package_installed_into_the_venv_is_seen_through_the_listing(node):
+    record(node)
+    (node["venv"] / "evil-1.0.dist-info").mkdir()
+    (node["venv"] / "__pycache__").mkdir()  # comes and goes with imports: not a change by itself
+    reasons = probe(node)["reasons"]
+    assert len(reasons) == 1 and reasons[0].startswith(f"listing {node['venv']}: names sha256:")
+    assert reasons[0].endswith("(2)")
+
+
+def test_other_inputs_make_a_full_run(node):
+    record(node)
+    seen = probe(node, inputs="inputs-2")
+    assert seen["converged"] is False
+    assert seen["reasons"] == [
+        "the inputs changed since the last full run (roles, trainer sources, wheelhouse or inventory)"
+    ]
+
+
+def test_no_record_means_a_full_run(node):
+    seen = probe(node)
+    assert seen == {**seen, "converged": False, "reasons": ["no record of a full run on this node"]}
+
+
+def test_a_record_dir_others_can_write_is_not_read(node):
+    record(node)
+    os.chmod(Path(node["record"]).parent, 0o777)
+    seen = probe(node)
+    assert seen["converged"] is False
+    assert "is not a root-only directory (dir 0777 0:0)" in seen["reasons"][0]
+
+
+def test_a_symlink_in_a_watched_path_is_recorded_never_followed(node):
+    """Root reads the training user's ~/.ssh: a link planted there must not make it read elsewhere."""
+    home = node["tmp"] / "home"
+    home.mkdir()
+    secret_dir = node["tmp"] / "secret"
+    secret_dir.mkdir()
+    (secret_dir / "authorized_keys").write_text("root's secret\n")
+    (home / ".ssh").symlink_to(secret_dir)
+    node["spec"]["paths"].append(str(home / ".ssh" / "authorized_keys"))
+    node["spec"]["paths"].append(str(home / ".ssh"))
+    record(node)
+    state = json.loads(Path(node["record"]).read_text())["state"]
+    assert (
+        state[f"path {home / '.ssh' / 'authorized_keys'}"]
+        == f"not a directory or a link in the path: {home / '.ssh'}"
+    )
+    assert state[f"path {home / '.ssh'}"] == f"link 0777 0:0 -> {secret_dir}"
+    (secret_dir / "authorized_keys").write_text("changed behind the link\n")
+    assert probe(node)["converged"] is True  # the target was never read, so its change is not seen
+
+
+def test_a_fifo_is_recorded_without_blocking(node):
+    fifo = node["etc"] / "fifo"
+    os.mkfifo(fifo)
+    node["spec"]["paths"].append(str(fifo))
+    record(node)
+    assert json.loads(Path(node["record"]).read_text())["state"][f"path {fifo}"] == "fifo 0644 0:0"
+
+
+def test_a_removed_account_is_seen(node, tmp_path):
+    node["spec"]["users"] = ["root", "clustertrain-no-such-user"]
+    record(node)
+    state = json.loads(Path(node["record"]).read_text())["state"]
+    assert state["user root"].startswith("uid 0 gid 0 home /root")
+    assert state["user clustertrain-no-such-user"] == "absent"
+    assert state["mount /"] != "not mounted"
+
+
+def test_an_unknown_kind_in_the_spec_is_refused(node):
+    node["spec"]["commands"] = ["rm -rf /"]
+    failed = record(node)
+    assert failed["failed"] is True
+    assert "unknown kinds in the watch spec: commands" in failed["msg"]
+    assert not Path(node["record"]).exists()
+
+
+def test_probe_changes_nothing_in_check_mode(node):
+    seen = module(node["tmp"], mode="probe", path=node["record"], inputs="x", _ansible_check_mode=True)
+    assert seen["converged"] is False
+    assert not Path(node["record"]).parent.exists()
