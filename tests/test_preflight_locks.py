@@ -174,6 +174,7 @@ def test_trainer_env_builds_deepspeed_ops_ahead_idempotently_and_clears_a_stale_
     }
     second = build()  # provisioning twice changes nothing, and needs no import of torch or DeepSpeed
     assert second["changed"] is False and second.get("up_to_date") is True, second
+    assert second["built"] == manifest["ops"], "the libraries, for the converged check's record"
     library = Path(manifest["ops"]["deepspeed_shm_comm"])
     os.utime(library, (library.stat().st_atime, library.stat().st_mtime - 60))  # not what was built
     assert build().get("up_to_date") is None  # looked at by torch's own build check again
