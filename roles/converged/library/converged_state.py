@@ -32,6 +32,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 
 from ansible.module_utils.basic import AnsibleModule
 
@@ -118,7 +119,8 @@ def open_parent(path: str) -> tuple[int, str]:
     return fd, parts[-1] if parts else "."
 
 
-def path_state(path: str) -> str:
+def read_at(path: str, read: Callable[[int, str], str]) -> str:
+    """read(parent_fd, name) for a path walked without links; "absent" when it is not there."""
     try:
         parent, name = open_parent(path)
     except FileNotFoundError:
@@ -128,56 +130,53 @@ def path_state(path: str) -> str:
     except OSError as err:
         return f"unreadable: {err.strerror}"
     try:
-        try:
-            st = os.lstat(name, dir_fd=parent)
-        except FileNotFoundError:
-            return "absent"
-        owner = f"{stat.S_IMODE(st.st_mode):04o} {st.st_uid}:{st.st_gid}"
-        if stat.S_ISLNK(st.st_mode):
-            return f"link {owner} -> {os.readlink(name, dir_fd=parent)}"
-        if stat.S_ISDIR(st.st_mode):
-            return f"dir {owner}"
-        if not stat.S_ISREG(st.st_mode):
-            kinds = {
-                stat.S_IFIFO: "fifo",
-                stat.S_IFSOCK: "socket",
-                stat.S_IFCHR: "char",
-                stat.S_IFBLK: "block",
-            }
-            return f"{kinds.get(stat.S_IFMT(st.st_mode), 'special')} {owner}"
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
-        with os.fdopen(fd, "rb") as handle:
-            digest = hashlib.sha256()
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-        return f"file {owner} sha256:{digest.hexdigest()}"
+        return read(parent, name)
+    except FileNotFoundError:
+        return "absent"
     finally:
         os.close(parent)
+
+
+def entry_state(parent: int, name: str) -> str:
+    st = os.lstat(name, dir_fd=parent)
+    owner = f"{stat.S_IMODE(st.st_mode):04o} {st.st_uid}:{st.st_gid}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"link {owner} -> {os.readlink(name, dir_fd=parent)}"
+    if stat.S_ISDIR(st.st_mode):
+        return f"dir {owner}"
+    if not stat.S_ISREG(st.st_mode):
+        kinds = {stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFCHR: "char", stat.S_IFBLK: "block"}
+        return f"{kinds.get(stat.S_IFMT(st.st_mode), 'special')} {owner}"
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+    with os.fdopen(fd, "rb") as handle:
+        digest = hashlib.sha256()
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return f"file {owner} sha256:{digest.hexdigest()}"
+
+
+def listing(parent: int, name: str) -> str:
+    """The sorted names in a directory (pip's dist-info dirs show which packages a venv holds)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        return f"not a directory: {err.strerror}"
+    try:
+        # __pycache__ comes and goes with whoever imports a top-level module: not a change.
+        names = sorted(entry for entry in os.listdir(fd) if entry != "__pycache__")
+    finally:
+        os.close(fd)
+    return "names sha256:" + hashlib.sha256("\n".join(names).encode()).hexdigest() + f" ({len(names)})"
+
+
+def path_state(path: str) -> str:
+    return read_at(path, entry_state)
 
 
 def listing_state(path: str) -> str:
-    """The sorted names in a directory (pip's dist-info dirs show which packages a venv holds)."""
-    try:
-        parent, name = open_parent(path)
-    except FileNotFoundError:
-        return "absent"
-    except LinkInPath as err:
-        return f"not a directory or a link in the path: {err}"
-    try:
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
-        except FileNotFoundError:
-            return "absent"
-        except OSError as err:
-            return f"not a directory: {err.strerror}"
-        try:
-            # __pycache__ comes and goes with whoever imports a top-level module: not a change.
-            names = sorted(name for name in os.listdir(fd) if name != "__pycache__")
-        finally:
-            os.close(fd)
-        return "names sha256:" + hashlib.sha256("\n".join(names).encode()).hexdigest() + f" ({len(names)})"
-    finally:
-        os.close(parent)
+    return read_at(path, listing)
 
 
 # --- system state ---------------------------------------------------------------------------------
