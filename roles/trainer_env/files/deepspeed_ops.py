@@ -66,8 +66,9 @@ def main() -> int:
     manifest_path = root / MANIFEST
     inputs = build_inputs(extra)
     if not removed and up_to_date(manifest_path, inputs):
-        built = json.loads(manifest_path.read_text())["ops"]  # the libraries, for the converged check's record
-        print(json.dumps({"changed": False, "built": built, "removed_stale": [], "seconds": 0.0, "up_to_date": True}))
+        built = json.loads(manifest_path.read_text())["ops"]  # for the converged check's record
+        answer = {"changed": False, "built": built, "removed_stale": [], "seconds": 0.0, "up_to_date": True}
+        print(json.dumps(answer))
         return 0
     before = libraries(root)
     started = time.monotonic()
