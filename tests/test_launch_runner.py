@@ -87,6 +87,32 @@ def test_environment_is_filtered_and_temp_dir_removed(tmp_path, monkeypatch):
     assert list(scratch.iterdir()) == [], "the private data dir (with its command/env file) is removed"
 
 
+@pytest.mark.skipif(Path("/etc/ansible/ansible.cfg").is_file(), reason="this machine has an Ansible config")
+def test_ansible_main_loop_polls_gently_and_a_users_config_still_rules(tmp_path, monkeypatch):
+    """Without any config file, Ansible's main process would check on a running task 1000 times a
+    second for as long as `trainer launch`'s watch runs; the runner gives it 0.01 s. A user's own
+    ~/.ansible.cfg is read as before, whole (the runner's setting is not added to it)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("ANSIBLE_CONFIG", raising=False)
+    playbook = write_playbook(
+        tmp_path,
+        "    - name: Show the setting\n"
+        "      ansible.builtin.debug:\n"
+        "        msg: \"{{ lookup('ansible.builtin.config', 'DEFAULT_INTERNAL_POLL_INTERVAL') }}\"\n",
+    )
+
+    def interval() -> float:
+        result = run_playbook(playbook, LOCAL_INVENTORY)
+        assert result.succeeded, result.output
+        return float(result.task_result("localhost", "Show the setting").result["msg"])
+
+    assert interval() == 0.01
+    (home / ".ansible.cfg").write_text("[defaults]\ninternal_poll_interval = 0.005\n")
+    assert interval() == 0.005
+
+
 def test_cancel_stops_a_running_playbook(tmp_path):
     playbook = write_playbook(
         tmp_path,
