@@ -343,6 +343,14 @@ def report(result: dict) -> None:
         f"  its trainers from   : {started:6.2f} s ({_seconds(result['started'], 2)}: the last node's run.sh "
         "started; the launcher's part before its trainers run)"
     )
+    # Per round: from the last node's run.sh to rank 0's step on the screen. Against torchrun by hand
+    # (which has no launcher before it) this is the launcher's share after its trainers start; the
+    # phases below are one launch, too few to weigh a second against the medians.
+    after_start = [to_step - at for to_step, at in zip(result["launcher"], result["started"], strict=True)]
+    print(
+        f"  its trainers' part  : {statistics.median(after_start):6.2f} s ({_seconds(after_start, 2)}: from "
+        f"the last node's run.sh to the step on the screen; torchrun by hand: {by_hand:.2f} s)"
+    )
     print("  one launch by phase (seconds from the start, in-process):")
     previous = 0.0
     for name, at in sorted(result["phases"], key=lambda mark: mark[1]):
