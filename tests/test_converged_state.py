@@ -59,14 +59,21 @@ def node(tmp_path: Path) -> dict:
 
 
 def record(node: dict, inputs: str = "inputs-1", cluster: str = "cluster-1") -> dict:
-    return module(
+    """The record play's two steps: read the state, then write what was read."""
+    read = module(node["tmp"], mode="digest", spec=node["spec"])
+    if read.get("failed"):
+        return read
+    written = module(
         node["tmp"],
         mode="record",
         path=node["record"],
         spec=node["spec"],
+        state=read["state"],
         inputs=inputs,
         cluster_digest=cluster,
     )
+    assert written["host_digest"] == read["host_digest"]
+    return written
 
 
 def probe(node: dict, inputs: str = "inputs-1") -> dict:

@@ -11,8 +11,9 @@ nothing to do and site.yml skips them (roles/converged/README.md).
 Modes:
   probe   read-only (runs in check mode): the record, the items it names, now; what differs.
   digest  read-only: the state of the items of `spec` now, and its digest.
-  record  write the record (root-only file) for `spec`, `inputs` and `cluster_digest`; unchanged,
-          and reported so, when the record already holds the same.
+  record  write the record (root-only file): `spec`, the `state` the digest step just read (not
+          read a second time), `inputs` and `cluster_digest`; unchanged, and reported so, when the
+          record already holds the same.
 
 Root reads paths an unprivileged user controls (the training user's ~/.ssh): every path is walked
 from / one component at a time with O_NOFOLLOW, so a symlink planted anywhere in it is recorded as
@@ -54,6 +55,9 @@ options:
       What to read (digest, record) - paths, listings, services, packages, users, groups, mounts
       (lists of names) and ufw (bool).
     type: dict
+  state:
+    description: The state the digest step returned for the same spec (record).
+    type: dict
   inputs:
     description: The controller's digest of the run's inputs (probe, record).
     type: str
@@ -72,6 +76,9 @@ reasons:
 host_digest:
   description: The digest of this node's items now (probe, digest, record).
   type: str
+state:
+  description: digest - each item's state, for the record step.
+  type: dict
 cluster_digest:
   description: probe - the cluster digest the record holds.
   type: str
@@ -388,11 +395,12 @@ def main() -> None:
             "spec": {"type": "dict"},
             "inputs": {"type": "str"},
             "cluster_digest": {"type": "str"},
+            "state": {"type": "dict"},
         },
         required_if=[
             ("mode", "probe", ["inputs"]),
             ("mode", "digest", ["spec"]),
-            ("mode", "record", ["spec", "inputs", "cluster_digest"]),
+            ("mode", "record", ["spec", "state", "inputs", "cluster_digest"]),
         ],
         supports_check_mode=True,
     )
@@ -403,10 +411,12 @@ def main() -> None:
         spec = normal_spec(params["spec"])
     except ValueError as err:
         module.fail_json(msg=str(err))
-    state = read_state(spec)
-    result = {"host_digest": digest_of(state), "items": len(state)}
     if params["mode"] == "digest":
-        module.exit_json(changed=False, **result)
+        state = read_state(spec)
+        module.exit_json(changed=False, state=state, host_digest=digest_of(state), items=len(state))
+    # The state the digest step read a moment ago: the cluster digest was made from it.
+    state = {str(key): str(value) for key, value in params["state"].items()}
+    result = {"host_digest": digest_of(state), "items": len(state)}
     record, _ = load_record(params["path"])
     wanted = {
         "version": RECORD_VERSION,
