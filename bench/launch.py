@@ -222,13 +222,16 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
     # A second place loads a second inventory in this process: Ansible says so once; it is harmless.
     warnings.filterwarnings("ignore", "AnsibleCollectionFinder has already been configured")
     from trainer.controller.inventory import load_cluster
-    from trainer.controller.launcher.launch import START_TASK, WATCH_TASK, Launcher, WatchOptions
+    from trainer.controller.launcher.launch import START_TASK, WATCH_TASK, Launcher, WatchOptions, prestart
     from trainer.controller.launcher.plan import make_plan
 
     marks = [("imports", time.monotonic() - started)]
+    # As `trainer launch` does: ansible-playbook starts while the plan is made.
+    early = prestart(argparse.Namespace(inventory=str(inventory), command=[]))
+    marks.append(("ansible-playbook spawned (it starts while the plan is made)", time.monotonic() - started))
     plan = make_plan(load_cluster(inventory), None, tuple(TRAIN_SETS), None, run_name)
     marks.append(("plan (inventory, trainer config)", time.monotonic() - started))
-    launcher = Launcher(plan, WatchOptions())
+    launcher = Launcher(plan, WatchOptions(), prestarted=early)
     seen: set[str] = set()
 
     def mark(name: str) -> None:
@@ -239,7 +242,7 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
     def on_event(event: dict) -> None:
         name, task = event.get("event"), event.get("event_data", {}).get("task")
         if name == "playbook_on_start":
-            mark("ansible-playbook started (runner, parse)")
+            mark("ansible-playbook started (its imports, inventory, playbook)")
         elif name == "playbook_on_task_start" and task == START_TASK:
             mark("probe on every node")
         elif name == "playbook_on_task_start" and task == WATCH_TASK:
@@ -277,6 +280,8 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
         pass
     finally:
         launcher.stop()
+        if early is not None:
+            early.cancel()  # when it was not used (it is then a no-op otherwise)
     return marks
 
 

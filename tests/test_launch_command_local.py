@@ -273,3 +273,26 @@ def test_a_program_that_is_not_there_stops_the_launch_before_any_node_starts(clu
     assert "could not start on" in out and "'no-such-trainer-program' is not found" in out, out
     for rank in (0, 1):
         assert not (shared / "runs" / "missing" / "launch" / f"node-{rank}" / "log").exists()
+
+
+def test_a_command_with_template_braces_reaches_the_nodes_as_written(cluster):
+    # Ansible renders {{ }} in whatever it is given as a template; the launcher gives values only.
+    inventory, shared, _ = cluster
+    rc, out = run(
+        launch(inventory, "braces", "--", "bash", "-c", "echo 'sum {{ 1 + 1 }} {% raw %}'"), timeout=300
+    )
+    assert rc == 0, out
+    log = (shared / "runs" / "braces" / "launch" / "node-0" / "log").read_text()
+    assert "sum {{ 1 + 1 }} {% raw %}" in log.splitlines(), log
+
+
+def test_the_prestarted_launch_is_given_every_variable_it_was_started_for(cluster):
+    # start.yml is started before the plan, its variables named in advance (LAUNCH_VARS): a name
+    # missing there would make every launch start ansible-playbook a second time.
+    from trainer.controller.inventory import load_cluster
+    from trainer.controller.launcher.launch import LAUNCH_VARS, Launcher
+    from trainer.controller.launcher.plan import make_plan
+
+    inventory, _, _ = cluster
+    launcher = Launcher(make_plan(load_cluster(inventory), None, (), None, "names", command=("true",)))
+    assert set(launcher.extravars()) == LAUNCH_VARS

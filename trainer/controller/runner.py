@@ -67,10 +67,12 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from trainer.controller import access as access_options
 
@@ -127,6 +129,14 @@ MAX_SOCKET_PATH = 100
 #: ansible-playbook (ansible-core 2.19) runs in a session of its own and outlives that, with its
 #: workers and, on local connections, the modules they run.
 RUN_MARKER = "CLUSTERTRAIN_RUNNER_ID"
+#: A prestarted run's late variables (PrestartedRun): each is this template, read by this lookup from
+#: the file named in this environment variable of ansible-playbook's.
+LATE_VARS_LOOKUP = "runner_late_vars"
+LATE_TEMPLATE = "{{{{ lookup('{lookup}', '{name}') }}}}"
+LATE_VALUES_ENV = "CLUSTERTRAIN_RUNNER_LATE_VALUES"
+LATE_VALUES_FILE = "late-values.json"
+#: Names a late variable may have (it is written into a template).
+LATE_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 
 #: How Ansible says a node's sudo wants a password it was not given, or a wrong one.
 SUDO_PASSWORD_PROBLEM = re.compile(
@@ -367,32 +377,103 @@ def _task_result(event: dict[str, Any], status: str) -> TaskResult:
     )
 
 
-def run_playbook(
-    playbook: str | os.PathLike[str],
-    inventory: str | os.PathLike[str],
-    extravars: Mapping[str, Any] | None = None,
-    on_event: Callable[[dict[str, Any]], None] | None = None,
-    cancel: threading.Event | None = None,
-    limit: str | None = None,
-    tags: str | None = None,
-    *,
-    timeout_s: float | None = None,
-    verbosity: int = 0,
-    env: Mapping[str, str] | None = None,
-    access: access_options.Access | None = None,
-    on_message: Callable[[dict[str, Any]], None] | None = None,
-    on_tick: Callable[[], None] | None = None,
-    skip_tags: str | None = None,
-) -> PlaybookResult:
-    """Run `playbook` against `inventory` and return what happened on each host.
+class _LiteralDumper(yaml.SafeDumper):
+    """YAML for ansible-playbook's -e @file: every string that holds a template marker tagged !unsafe,
+    so Ansible never renders a value given here (a command line with `{{ }}` reaches the node as
+    written)."""
 
-    Blocks until the run ends; `on_event` is called on this thread for each event as it arrives.
-    `env` adds variables (e.g. ANSIBLE_FORKS) on top of the filtered environment. `access` (default:
-    what the command line configured, trainer.controller.access) gives the sudo and vault passwords.
-    `on_message` receives what action plugins write to `runner_channel` (see the module's docstring);
-    `on_tick` is called every TICK_S seconds, both on this thread.
-    KeyboardInterrupt cancels the run (ansible-playbook is terminated) and is then re-raised.
-    """
+
+class _Template(str):
+    """A string given to Ansible as a template (a late variable's lookup)."""
+
+
+#: What starts a template (an expression, a statement, a comment) in Ansible's Jinja.
+TEMPLATE_MARKERS = re.compile(r"\{\{|\{%|\{#")
+
+
+def _represent_literal(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    # Only where Ansible would see a template: a string without one is never rendered, and
+    # `!unsafe ''` would reach the play as None.
+    if TEMPLATE_MARKERS.search(value):
+        return dumper.represent_scalar("!unsafe", value)
+    return dumper.represent_str(value)
+
+
+_LiteralDumper.add_representer(str, _represent_literal)
+_LiteralDumper.add_representer(_Template, lambda dumper, value: dumper.represent_str(str(value)))
+
+
+def _write_private(path: str, text: str) -> None:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+        handle.write(text)
+
+
+@dataclass
+class _Spawned:
+    """One ansible-playbook process of ansible-runner's, from its start to its clean-up."""
+
+    playbook: Path
+    inventory: Path
+    key: tuple[Any, ...]
+    thread: threading.Thread
+    runner: Any
+    events: queue.Queue[dict[str, Any]]
+    private_data_dir: str
+    channel: _Channel | None
+    marker: str
+    #: Any of these set cancels the run (the caller's `cancel` joins when the run is followed).
+    cancels: list[threading.Event]
+
+    def clean_up(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        # After a cancel (or a crash of ansible-runner) ansible-playbook may still be running.
+        _end_processes(self.marker)
+        shutil.rmtree(self.private_data_dir, ignore_errors=True)
+
+
+def _run_key(
+    playbook: Path,
+    inventory: Path,
+    limit: str | None,
+    tags: str | None,
+    skip_tags: str | None,
+    timeout_s: float | None,
+    verbosity: int,
+    env: Mapping[str, str] | None,
+    channel: bool,
+) -> tuple[Any, ...]:
+    """What is fixed when ansible-playbook starts (its command line and environment)."""
+    return (
+        playbook,
+        inventory,
+        limit,
+        tags,
+        skip_tags,
+        timeout_s,
+        verbosity,
+        tuple(sorted((env or {}).items())),
+        channel,
+    )
+
+
+def _spawn(
+    playbook: Path,
+    inventory: Path,
+    extravars: Mapping[str, Any],
+    *,
+    key: tuple[Any, ...],
+    limit: str | None,
+    tags: str | None,
+    skip_tags: str | None,
+    timeout_s: float | None,
+    verbosity: int,
+    env: Mapping[str, str] | None,
+    access: access_options.Access | None,
+    channel: bool,
+    late: Iterable[str] = (),
+) -> _Spawned:
+    """Start ansible-playbook through ansible-runner; its events go onto the returned run's queue."""
     import ansible_runner  # imported here: heavy, and only the controller's run paths need it
     import pexpect  # ansible-runner's own dependency: the prompts it answers
 
@@ -404,15 +485,12 @@ def run_playbook(
         re.compile(pattern, re.M): answer for pattern, answer in access.expect_passwords().items()
     }
     answers.update({pexpect.TIMEOUT: None, pexpect.EOF: None})
-
-    playbook = Path(playbook).resolve()
-    inventory = Path(inventory).resolve()
     if not playbook.is_file():
         raise FileNotFoundError(f"playbook {playbook} does not exist")
-    cancel = cancel or threading.Event()
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     bin_dir = str(Path(sys.executable).parent)
     marker = f"{RUN_MARKER}={uuid.uuid4().hex}"
+    cancels = [threading.Event()]
 
     def copy_event(event: dict[str, Any]) -> bool:
         events.put(event)
@@ -431,24 +509,35 @@ def run_playbook(
                 config = Path(private_data_dir, "ansible.cfg")
                 config.write_text(INTERNAL_POLL_CONFIG)
                 runner_config.env["ANSIBLE_CONFIG"] = str(config)
+            if late_names:
+                runner_config.env[LATE_VALUES_ENV] = os.path.join(private_data_dir, LATE_VALUES_FILE)
             # In memory only: ansible-runner turns `passwords=` into this, after writing env/passwords.
             runner_config.expect_passwords = answers
 
+    late_names = sorted(late)
     remove_stale_private_dirs()
     private_data_dir = tempfile.mkdtemp(prefix=PRIVATE_DIR_PREFIX)
-    channel: _Channel | None = None
+    run_channel: _Channel | None = None
     try:
         Path(private_data_dir, "owner").write_text(_owner_text())
-        extravars = dict(extravars or {})
-        if on_message is not None:
-            channel = _Channel(os.path.join(private_data_dir, "channel"), events)
-            extravars["runner_channel"] = channel.path
+        given = dict(extravars)
+        if channel:
+            run_channel = _Channel(os.path.join(private_data_dir, "channel"), events)
+            given["runner_channel"] = run_channel.path
+        vars_file = os.path.join(private_data_dir, "extravars.yml")
+        # Through JSON first: plain types only (an inventory's host name may be a str subclass of Ansible's).
+        values = json.loads(json.dumps(given))
+        # The late variables are the one kind of template given: each reads its value when used.
+        values.update(
+            {name: _Template(LATE_TEMPLATE.format(lookup=LATE_VARS_LOOKUP, name=name)) for name in late_names}
+        )
+        text = yaml.dump(values, Dumper=_LiteralDumper, sort_keys=False)
+        _write_private(vars_file, text)
         thread, runner = ansible_runner.run_async(
             private_data_dir=private_data_dir,
             project_dir=str(playbook.parent),
             playbook=str(playbook),
             inventory=str(inventory),
-            extravars=extravars,
             limit=limit,
             tags=tags,
             skip_tags=skip_tags,
@@ -457,65 +546,217 @@ def run_playbook(
             quiet=True,
             event_handler=copy_event,
             status_handler=filter_env,
-            cancel_callback=cancel.is_set,
+            cancel_callback=lambda: any(event.is_set() for event in cancels),
             timeout=timeout_s,
             settings={"pexpect_timeout": CANCEL_POLL_S, "suppress_output_file": True},
-            cmdline=shlex.join(cmdline) if cmdline else None,
+            cmdline=shlex.join([*cmdline, "-e", f"@{vars_file}"]),
         )
-        results: list[TaskResult] = []
-        stats: dict[str, Any] = {}
-        seen: set[str] = set()
-        seen_order: deque[str] = deque()
-        output: deque[str] = deque()
-        output_chars = 0
-
-        def handle(event: dict[str, Any]) -> None:
-            nonlocal output_chars
-            name = event.get("event", "")
-            if name == "channel_message":
-                if on_message is not None:
-                    on_message(event["message"])
-                return
-            uuid = event.get("uuid")
-            if uuid:
-                if uuid in seen:
-                    return
-                seen.add(uuid)
-                seen_order.append(uuid)
-                if len(seen_order) > SEEN_EVENTS:
-                    seen.discard(seen_order.popleft())
-            if text := event.get("stdout"):
-                output.append(text)
-                output_chars += len(text) + 1
-                while output_chars > OUTPUT_TAIL and len(output) > 1:
-                    output_chars -= len(output.popleft()) + 1
-            if name in _RESULT_EVENTS:
-                results.append(_task_result(event, _RESULT_EVENTS[name]))
-            elif name == "playbook_on_stats":
-                stats.update({k: v for k, v in event.get("event_data", {}).items() if isinstance(v, dict)})
-            if on_event is not None:
-                on_event(event)
-
-        next_tick = time.monotonic() + TICK_S
-        try:
-            while thread.is_alive() or not events.empty():
-                with contextlib.suppress(queue.Empty):
-                    handle(events.get(timeout=0.1))
-                if on_tick is not None and time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + TICK_S
-                    on_tick()
-        except BaseException:
-            cancel.set()
-            thread.join()
-            raise
-        thread.join()
-        rc = runner.rc if isinstance(runner.rc, int) else 1
-        return PlaybookResult(
-            status=runner.status, rc=rc, results=results, stats=stats, output="\n".join(output)[-OUTPUT_TAIL:]
-        )
-    finally:
-        if channel is not None:
-            channel.close()
-        # After a cancel (or a crash of ansible-runner) ansible-playbook may still be running.
+    except BaseException:
+        if run_channel is not None:
+            run_channel.close()
         _end_processes(marker)
         shutil.rmtree(private_data_dir, ignore_errors=True)
+        raise
+    return _Spawned(
+        playbook, inventory, key, thread, runner, events, private_data_dir, run_channel, marker, cancels
+    )
+
+
+class PrestartedRun:
+    """ansible-playbook started before the values of its extra variables are known, so that its own
+    start (about a second: Python, Ansible's imports, the inventory, the playbook) overlaps with the
+    caller's work that computes them (`trainer launch`'s plan). Each late variable is given to Ansible
+    as a lookup (`runner_late_vars`, in the playbook's lookup_plugins/) that waits for the values file
+    written by `run_playbook(..., prestarted=...)`; nothing reaches a host before that, since every
+    task's arguments name them. A lookup's value is never rendered as a template, as for the others.
+
+    Hand it to run_playbook with the same playbook, inventory and options, and extra variables named
+    exactly `late`: it is followed from there. Called otherwise (the guess was wrong), it is canceled
+    and a new run started, which costs only the time the guess was to save. `cancel()` when unused."""
+
+    def __init__(self, spawned: _Spawned, late: frozenset[str], values_file: str) -> None:
+        self._spawned: _Spawned | None = spawned
+        self.late = late
+        self.values_file = values_file
+
+    def take(self, key: tuple[Any, ...], extravars: Mapping[str, Any]) -> _Spawned | None:
+        """The run, with `extravars` handed over, if it was started as `key` asks and still runs."""
+        spawned, self._spawned = self._spawned, None
+        if spawned is None:
+            return None
+        if spawned.key != key or set(extravars) != self.late or not spawned.thread.is_alive():
+            spawned.cancels[0].set()
+            spawned.thread.join()
+            spawned.clean_up()
+            return None
+        partial = f"{self.values_file}.{os.getpid()}"
+        _write_private(partial, json.dumps(dict(extravars)))
+        os.replace(partial, self.values_file)  # whole, or not there: the lookup never reads half
+        return spawned
+
+    def cancel(self) -> None:
+        spawned, self._spawned = self._spawned, None
+        if spawned is not None:
+            spawned.cancels[0].set()
+            spawned.thread.join()
+            spawned.clean_up()
+
+
+def prestart_playbook(
+    playbook: str | os.PathLike[str],
+    inventory: str | os.PathLike[str],
+    late: Iterable[str],
+    *,
+    limit: str | None = None,
+    tags: str | None = None,
+    skip_tags: str | None = None,
+    timeout_s: float | None = None,
+    verbosity: int = 0,
+    env: Mapping[str, str] | None = None,
+    access: access_options.Access | None = None,
+    channel: bool = False,
+) -> PrestartedRun:
+    """Start `playbook` now, its extra variables `late` given later (PrestartedRun). `channel`: it will
+    be followed with `on_message` (the channel's path is fixed at the start)."""
+    playbook, inventory = Path(playbook).resolve(), Path(inventory).resolve()
+    lookup = playbook.parent / "lookup_plugins" / f"{LATE_VARS_LOOKUP}.py"
+    if not lookup.is_file():
+        raise FileNotFoundError(f"{lookup} is missing: a prestarted playbook reads its variables with it")
+    names = frozenset(late)
+    if bad := sorted(name for name in names if not LATE_NAME.fullmatch(name)):
+        raise ValueError(f"late variable names must be lower-case identifiers: {', '.join(bad)}")
+    key = _run_key(playbook, inventory, limit, tags, skip_tags, timeout_s, verbosity, env, channel)
+    spawned = _spawn(
+        playbook,
+        inventory,
+        {},
+        key=key,
+        limit=limit,
+        tags=tags,
+        skip_tags=skip_tags,
+        timeout_s=timeout_s,
+        verbosity=verbosity,
+        env=env,
+        access=access,
+        channel=channel,
+        late=names,
+    )
+    return PrestartedRun(spawned, names, os.path.join(spawned.private_data_dir, LATE_VALUES_FILE))
+
+
+def run_playbook(
+    playbook: str | os.PathLike[str],
+    inventory: str | os.PathLike[str],
+    extravars: Mapping[str, Any] | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    cancel: threading.Event | None = None,
+    limit: str | None = None,
+    tags: str | None = None,
+    *,
+    timeout_s: float | None = None,
+    verbosity: int = 0,
+    env: Mapping[str, str] | None = None,
+    access: access_options.Access | None = None,
+    on_message: Callable[[dict[str, Any]], None] | None = None,
+    on_tick: Callable[[], None] | None = None,
+    skip_tags: str | None = None,
+    prestarted: PrestartedRun | None = None,
+) -> PlaybookResult:
+    """Run `playbook` against `inventory` and return what happened on each host.
+
+    Blocks until the run ends; `on_event` is called on this thread for each event as it arrives.
+    `env` adds variables (e.g. ANSIBLE_FORKS) on top of the filtered environment. `access` (default:
+    what the command line configured, trainer.controller.access) gives the sudo and vault passwords.
+    `on_message` receives what action plugins write to `runner_channel` (see the module's docstring);
+    `on_tick` is called every TICK_S seconds, both on this thread. `extravars` are values, never
+    templates. `prestarted`: a run prestart_playbook started for this call (used if it matches).
+    KeyboardInterrupt cancels the run (ansible-playbook is terminated) and is then re-raised.
+    """
+    playbook, inventory = Path(playbook).resolve(), Path(inventory).resolve()
+    key = _run_key(
+        playbook, inventory, limit, tags, skip_tags, timeout_s, verbosity, env, on_message is not None
+    )
+    spawned = prestarted.take(key, extravars or {}) if prestarted is not None else None
+    if spawned is None:
+        spawned = _spawn(
+            playbook,
+            inventory,
+            extravars or {},
+            key=key,
+            limit=limit,
+            tags=tags,
+            skip_tags=skip_tags,
+            timeout_s=timeout_s,
+            verbosity=verbosity,
+            env=env,
+            access=access,
+            channel=on_message is not None,
+        )
+    if cancel is not None:
+        spawned.cancels.append(cancel)
+    try:
+        return _follow(spawned, on_event, on_message, on_tick)
+    finally:
+        spawned.clean_up()
+
+
+def _follow(
+    spawned: _Spawned,
+    on_event: Callable[[dict[str, Any]], None] | None,
+    on_message: Callable[[dict[str, Any]], None] | None,
+    on_tick: Callable[[], None] | None,
+) -> PlaybookResult:
+    """Hand the run's events to the callbacks until it ends; what it did."""
+    results: list[TaskResult] = []
+    stats: dict[str, Any] = {}
+    seen: set[str] = set()
+    seen_order: deque[str] = deque()
+    output: deque[str] = deque()
+    output_chars = 0
+
+    def handle(event: dict[str, Any]) -> None:
+        nonlocal output_chars
+        name = event.get("event", "")
+        if name == "channel_message":
+            if on_message is not None:
+                on_message(event["message"])
+            return
+        uuid = event.get("uuid")
+        if uuid:
+            if uuid in seen:
+                return
+            seen.add(uuid)
+            seen_order.append(uuid)
+            if len(seen_order) > SEEN_EVENTS:
+                seen.discard(seen_order.popleft())
+        if text := event.get("stdout"):
+            output.append(text)
+            output_chars += len(text) + 1
+            while output_chars > OUTPUT_TAIL and len(output) > 1:
+                output_chars -= len(output.popleft()) + 1
+        if name in _RESULT_EVENTS:
+            results.append(_task_result(event, _RESULT_EVENTS[name]))
+        elif name == "playbook_on_stats":
+            stats.update({k: v for k, v in event.get("event_data", {}).items() if isinstance(v, dict)})
+        if on_event is not None:
+            on_event(event)
+
+    thread, events = spawned.thread, spawned.events
+    next_tick = time.monotonic() + TICK_S
+    try:
+        while thread.is_alive() or not events.empty():
+            with contextlib.suppress(queue.Empty):
+                handle(events.get(timeout=0.1))
+            if on_tick is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + TICK_S
+                on_tick()
+    except BaseException:
+        spawned.cancels[0].set()
+        thread.join()
+        raise
+    thread.join()
+    runner = spawned.runner
+    rc = runner.rc if isinstance(runner.rc, int) else 1
+    return PlaybookResult(
+        status=runner.status, rc=rc, results=results, stats=stats, output="\n".join(output)[-OUTPUT_TAIL:]
+    )

@@ -70,7 +70,13 @@ from trainer.controller.launcher.runlock import (
 )
 from trainer.controller.launcher.runscript import node_dir, run_script
 from trainer.controller.launcher.topology import AUTO_IFNAME, TopologyError
-from trainer.controller.runner import PlaybookResult, run_playbook, with_known_fix
+from trainer.controller.runner import (
+    PlaybookResult,
+    PrestartedRun,
+    prestart_playbook,
+    run_playbook,
+    with_known_fix,
+)
 from trainer.controller.training_env import IB_AUTO
 
 PLAYBOOKS = PurePosixPath(__file__).parent / "playbooks"
@@ -80,6 +86,54 @@ WATCH_TASK = "Follow the trainer until it ends"
 STOP_TASK = "Stop the trainer's process group"
 STATUS_TASK = "Read the node's state"
 INTERRUPTED = 130
+#: ansible-playbook's settings for every run of a launch. ansible.cfg of the current directory is not
+#: read for these playbooks, so what matters here is set outright. Forks bound concurrency only (Ansible
+#: starts a worker per host of a task, up to this many): the watch polls every node at once on any
+#: cluster this is for, and the setting is known before the inventory is read (the prestarted start).
+LAUNCH_ENV = {
+    "ANSIBLE_FORKS": "256",
+    "ANSIBLE_PIPELINING": "True",
+    "ANSIBLE_NOCOLOR": "True",
+    "ANSIBLE_GATHERING": "explicit",
+    "ANSIBLE_RETRY_FILES_ENABLED": "False",
+}
+#: start.yml's tasks that a launch has no use for tag themselves so (start.yml's header).
+START_SKIP_TAG = "launch_skip"
+#: The extra variables of the launcher's playbooks (Launcher.extravars): start.yml is started before
+#: the plan is made and given them then (runner.PrestartedRun), so their names are known in advance.
+LAUNCH_VARS = frozenset(
+    {
+        "launch_run_name",
+        "launch_id",
+        "launch_dir",
+        "launch_output_dir",
+        "launch_head",
+        "launch_hosts",
+        "launch_master_port",
+        "launch_training_user",
+        "launch_nodes",
+        "launch_venv_needs",
+        "launch_files",
+        "launch_info",
+        "launch_record",
+        "launch_become_hosts",
+        "launch_command_timeout_s",
+        "launch_poll_s",
+        "launch_status_timeout_s",
+        "launch_give_up_s",
+        "launch_stop_grace_s",
+        "launch_has_secrets",
+        "launch_stacks",
+        "launch_stop_record",
+        "launch_tail",
+        "launch_lock_request",
+        "launch_lock_in_probe",
+        "launch_bundled_trainer",
+        "launch_release_lock",
+        "launch_release_lock_when_done",
+        "launch_reuse",
+    }
+)
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
 TAKES_COMMAND = True
 #: The bundled trainer's default --stall-timeout (a user's command has none unless given).
@@ -152,7 +206,12 @@ class Outcome:
 
 class Launcher:
     def __init__(
-        self, plan: JobPlan, options: WatchOptions = WatchOptions(), *, command: str = "trainer launch"
+        self,
+        plan: JobPlan,
+        options: WatchOptions = WatchOptions(),
+        *,
+        command: str = "trainer launch",
+        prestarted: PrestartedRun | None = None,
     ) -> None:
         self.plan = plan
         self.options = options
@@ -169,16 +228,9 @@ class Launcher:
         #: attach`, which has not the launch's config, --set and --env): nothing is written but the
         #: new launch id, the launch record and this helper.
         self.reuse_node_files = False
-        # One fork per host: the watch polls every host at once (the default of 5 would not).
-        # ansible.cfg of the current directory is not read for these playbooks' settings that matter
-        # here, so they are set outright.
-        self.env = {
-            "ANSIBLE_FORKS": str(max(5, plan.topology.nnodes)),
-            "ANSIBLE_PIPELINING": "True",
-            "ANSIBLE_NOCOLOR": "True",
-            "ANSIBLE_GATHERING": "explicit",
-            "ANSIBLE_RETRY_FILES_ENABLED": "False",
-        }
+        self.env = dict(LAUNCH_ENV)
+        #: start.yml, started while the plan was made (`run`), for the first attempt to use.
+        self.prestarted = prestarted
         self.become: dict[str, bool] = {}
         self.attempt_number = 0
         self.new_launch()
@@ -257,6 +309,7 @@ class Launcher:
             "launch_dir": plan.launch_dir,
             "launch_output_dir": plan.output_dir,
             "launch_head": topo.head.host,
+            "launch_hosts": self.hosts,
             "launch_master_port": topo.master_port,
             "launch_training_user": plan.training_user,
             "launch_nodes": nodes,
@@ -279,6 +332,7 @@ class Launcher:
             "launch_tail": 20,
             "launch_lock_request": self.lock.request("acquire"),
             "launch_lock_in_probe": self.lock_in_probe,
+            "launch_bundled_trainer": plan.runs_bundled_trainer,
             "launch_release_lock": False,
             "launch_release_lock_when_done": True,
             "launch_reuse": False,
@@ -291,13 +345,17 @@ class Launcher:
             for node in extravars["launch_nodes"].values():
                 node["secret_env"] = {}
                 node["run_sh"] = ""
-        skip = []
         if playbook == "start.yml":
-            if self.plan.runs_bundled_trainer:
-                skip.append("launch_command_check")  # no command of the user's to check
-            # The lock: by the head's probe (lock_in_probe), else by the two tasks before the probe.
-            skip.append(
-                "launch_lock_task" if extravars.get("launch_lock_in_probe") else "launch_lock_deferred"
+            # Its plays run on launch_hosts (no --limit): its command line is the same for every plan.
+            prestarted, self.prestarted = self.prestarted, None
+            return run_playbook(
+                PLAYBOOKS / playbook,
+                self.plan.topology.inventory,
+                extravars,
+                env=self.env,
+                skip_tags=START_SKIP_TAG,
+                prestarted=prestarted,
+                **kwargs,
             )
         return run_playbook(
             PLAYBOOKS / playbook,
@@ -305,7 +363,6 @@ class Launcher:
             extravars,
             env=self.env,
             limit=",".join(self.hosts),
-            skip_tags=",".join(skip) or None,
             **kwargs,
         )
 
@@ -895,7 +952,6 @@ class Launcher:
         if moved:
             change += "; " + ", ".join(moved)
         self.plan = new_plan
-        self.env["ANSIBLE_FORKS"] = str(max(5, new_plan.topology.nnodes))
         self.become = {h: b for h, b in self.become.items() if h != host}
         return change
 
@@ -1003,41 +1059,70 @@ def replanner(args: argparse.Namespace, cluster: Cluster) -> Callable[[set[str],
     return replan
 
 
-def run(args: argparse.Namespace) -> int:
+def prestart(args: argparse.Namespace) -> PrestartedRun | None:
+    """start.yml, started before the inventory is read and the plan made: ansible-playbook's own
+    start (a second) overlaps with them. Its command line is the same for every plan (start.yml's
+    header); the first attempt hands it the plan's variables (runner.PrestartedRun)."""
     try:
-        configure_access(args)  # sudo/vault passwords (trainer.controller.access)
-        # Loaded once: a restart that leaves a node out plans again from the same inventory.
-        cluster = load_cluster(args.inventory)
-        plan = replanner(args, cluster)(set(), [])
-    except (InventoryError, TopologyError, PlanError) as err:
-        print(f"trainer launch: {err}", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
+        return prestart_playbook(
+            PLAYBOOKS / "start.yml",
+            args.inventory,
+            LAUNCH_VARS,
+            env=LAUNCH_ENV,
+            skip_tags=START_SKIP_TAG,
+            channel=True,
+        )
+    except OSError:
+        return None  # an unreadable inventory path: the plan says what is wrong with it
+
+
+def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         print("trainer launch: --max-restarts must be 0 or more", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     if args.exclude_failed and not args.max_restarts:
         print("trainer launch: --exclude-failed needs --max-restarts K (K >= 1)", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    launcher = Launcher(plan, watch_options(args, plan.runs_bundled_trainer))
-    view = LiveView()
-    if args.stop:
-        result = launcher.stop()
-        for host in launcher.hosts:
-            item = result.task_result(host, STOP_TASK)
-            if item is None or item.status != "ok":
-                state = (
-                    "unreachable"
-                    if host in result.unreachable
-                    else f"could not stop: {item.message if item else 'no answer'}"
-                )
-            else:
-                state = "stopped" if item.result.get("stopped") else "not running"
-            view.log(f"[{host}] {state}")
-        return exitcodes.OK if result.succeeded else exitcodes.FAILURE
-    install_signal_handlers(view)
-    return launcher.launch(
-        view, args.max_restarts, args.exclude_failed, replanner(args, cluster), force=args.force
-    )
+    early: PrestartedRun | None = None
+    try:
+        try:
+            configure_access(args)  # sudo/vault passwords (trainer.controller.access)
+            if not args.stop and not args.force:  # --force takes the lock over first (lock.yml)
+                early = prestart(args)
+            # Loaded once: a restart that leaves a node out plans again from the same inventory.
+            cluster = load_cluster(args.inventory)
+            plan = replanner(args, cluster)(set(), [])
+        except (InventoryError, TopologyError, PlanError) as err:
+            print(f"trainer launch: {err}", file=sys.stderr)
+            return exitcodes.CONFIG_ERROR
+        launcher = Launcher(plan, watch_options(args, plan.runs_bundled_trainer), prestarted=early)
+        view = LiveView()
+        if args.stop:
+            return stop_every_node(launcher, view)
+        install_signal_handlers(view)
+        return launcher.launch(
+            view, args.max_restarts, args.exclude_failed, replanner(args, cluster), force=args.force
+        )
+    finally:
+        if early is not None:
+            early.cancel()  # unused (an error, an interrupt): its ansible-playbook waits for nothing
+
+
+def stop_every_node(launcher: Launcher, view: LiveView) -> int:
+    """`trainer launch --stop`: each node's trainer stopped, one line per node."""
+    result = launcher.stop()
+    for host in launcher.hosts:
+        item = result.task_result(host, STOP_TASK)
+        if item is None or item.status != "ok":
+            state = (
+                "unreachable"
+                if host in result.unreachable
+                else f"could not stop: {item.message if item else 'no answer'}"
+            )
+        else:
+            state = "stopped" if item.result.get("stopped") else "not running"
+        view.log(f"[{host}] {state}")
+    return exitcodes.OK if result.succeeded else exitcodes.FAILURE
 
 
 def install_signal_handlers(view: LiveView) -> None:
