@@ -412,9 +412,7 @@ def _write_private(path: str, text: str) -> None:
 class _Spawned:
     """One ansible-playbook process of ansible-runner's, from its start to its clean-up."""
 
-    playbook: Path
-    inventory: Path
-    key: tuple[Any, ...]
+    spec: _RunSpec
     thread: threading.Thread
     runner: Any
     events: queue.Queue[dict[str, Any]]
@@ -424,6 +422,12 @@ class _Spawned:
     #: Any of these set cancels the run (the caller's `cancel` joins when the run is followed).
     cancels: list[threading.Event]
 
+    def cancel(self) -> None:
+        """End it (it may wait for values it will never get) and clean up."""
+        self.cancels[0].set()
+        self.thread.join()
+        self.clean_up()
+
     def clean_up(self) -> None:
         if self.channel is not None:
             self.channel.close()
@@ -432,45 +436,51 @@ class _Spawned:
         shutil.rmtree(self.private_data_dir, ignore_errors=True)
 
 
-def _run_key(
-    playbook: Path,
-    inventory: Path,
-    limit: str | None,
-    tags: str | None,
-    skip_tags: str | None,
-    timeout_s: float | None,
-    verbosity: int,
-    env: Mapping[str, str] | None,
-    channel: bool,
-) -> tuple[Any, ...]:
-    """What is fixed when ansible-playbook starts (its command line and environment)."""
-    return (
-        playbook,
-        inventory,
-        limit,
-        tags,
-        skip_tags,
-        timeout_s,
-        verbosity,
-        tuple(sorted((env or {}).items())),
-        channel,
-    )
+@dataclass(frozen=True)
+class _RunSpec:
+    """What is fixed when ansible-playbook starts: its command line and environment. A prestarted run
+    is used only for a call that asks for the same."""
+
+    playbook: Path
+    inventory: Path
+    limit: str | None
+    tags: str | None
+    skip_tags: str | None
+    timeout_s: float | None
+    verbosity: int
+    env: tuple[tuple[str, str], ...]
+    channel: bool
+
+    @classmethod
+    def of(
+        cls,
+        playbook: str | os.PathLike[str],
+        inventory: str | os.PathLike[str],
+        limit: str | None,
+        tags: str | None,
+        skip_tags: str | None,
+        timeout_s: float | None,
+        verbosity: int,
+        env: Mapping[str, str] | None,
+        channel: bool,
+    ) -> _RunSpec:
+        return cls(
+            Path(playbook).resolve(),
+            Path(inventory).resolve(),
+            limit,
+            tags,
+            skip_tags,
+            timeout_s,
+            verbosity,
+            tuple(sorted((env or {}).items())),
+            channel,
+        )
 
 
 def _spawn(
-    playbook: Path,
-    inventory: Path,
+    spec: _RunSpec,
     extravars: Mapping[str, Any],
-    *,
-    key: tuple[Any, ...],
-    limit: str | None,
-    tags: str | None,
-    skip_tags: str | None,
-    timeout_s: float | None,
-    verbosity: int,
-    env: Mapping[str, str] | None,
     access: access_options.Access | None,
-    channel: bool,
     late: Iterable[str] = (),
 ) -> _Spawned:
     """Start ansible-playbook through ansible-runner; its events go onto the returned run's queue."""
@@ -485,6 +495,7 @@ def _spawn(
         re.compile(pattern, re.M): answer for pattern, answer in access.expect_passwords().items()
     }
     answers.update({pexpect.TIMEOUT: None, pexpect.EOF: None})
+    playbook = spec.playbook
     if not playbook.is_file():
         raise FileNotFoundError(f"playbook {playbook} does not exist")
     events: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -502,7 +513,7 @@ def _spawn(
             runner_config.env = {
                 **PLAYBOOK_DEFAULTS,
                 **filtered_environment(runner_config.env, bin_dir),
-                **(env or {}),
+                **dict(spec.env),
                 RUN_MARKER: marker.split("=", 1)[1],
             }
             if not reads_config_file(runner_config.env, playbook.parent):
@@ -521,7 +532,7 @@ def _spawn(
     try:
         Path(private_data_dir, "owner").write_text(_owner_text())
         given = dict(extravars)
-        if channel:
+        if spec.channel:
             run_channel = _Channel(os.path.join(private_data_dir, "channel"), events)
             given["runner_channel"] = run_channel.path
         vars_file = os.path.join(private_data_dir, "extravars.yml")
@@ -537,17 +548,17 @@ def _spawn(
             private_data_dir=private_data_dir,
             project_dir=str(playbook.parent),
             playbook=str(playbook),
-            inventory=str(inventory),
-            limit=limit,
-            tags=tags,
-            skip_tags=skip_tags,
-            verbosity=verbosity or None,
+            inventory=str(spec.inventory),
+            limit=spec.limit,
+            tags=spec.tags,
+            skip_tags=spec.skip_tags,
+            verbosity=spec.verbosity or None,
             json_mode=True,
             quiet=True,
             event_handler=copy_event,
             status_handler=filter_env,
             cancel_callback=lambda: any(event.is_set() for event in cancels),
-            timeout=timeout_s,
+            timeout=spec.timeout_s,
             settings={"pexpect_timeout": CANCEL_POLL_S, "suppress_output_file": True},
             cmdline=shlex.join([*cmdline, "-e", f"@{vars_file}"]),
         )
@@ -557,9 +568,7 @@ def _spawn(
         _end_processes(marker)
         shutil.rmtree(private_data_dir, ignore_errors=True)
         raise
-    return _Spawned(
-        playbook, inventory, key, thread, runner, events, private_data_dir, run_channel, marker, cancels
-    )
+    return _Spawned(spec, thread, runner, events, private_data_dir, run_channel, marker, cancels)
 
 
 class PrestartedRun:
@@ -571,23 +580,21 @@ class PrestartedRun:
     task's arguments name them. A lookup's value is never rendered as a template, as for the others.
 
     Hand it to run_playbook with the same playbook, inventory and options, and extra variables named
-    exactly `late`: it is followed from there. Called otherwise (the guess was wrong), it is canceled
-    and a new run started, which costs only the time the guess was to save. `cancel()` when unused."""
+    exactly `late`: it is followed from there. Called otherwise, it is canceled and a new run started
+    (the overlap is lost, nothing else). `cancel()` it when unused."""
 
     def __init__(self, spawned: _Spawned, late: frozenset[str], values_file: str) -> None:
         self._spawned: _Spawned | None = spawned
         self.late = late
         self.values_file = values_file
 
-    def take(self, key: tuple[Any, ...], extravars: Mapping[str, Any]) -> _Spawned | None:
-        """The run, with `extravars` handed over, if it was started as `key` asks and still runs."""
+    def take(self, spec: _RunSpec, extravars: Mapping[str, Any]) -> _Spawned | None:
+        """The run, with `extravars` handed over, if it was started as `spec` asks and still runs."""
         spawned, self._spawned = self._spawned, None
         if spawned is None:
             return None
-        if spawned.key != key or set(extravars) != self.late or not spawned.thread.is_alive():
-            spawned.cancels[0].set()
-            spawned.thread.join()
-            spawned.clean_up()
+        if spawned.spec != spec or set(extravars) != self.late or not spawned.thread.is_alive():
+            spawned.cancel()
             return None
         partial = f"{self.values_file}.{os.getpid()}"
         _write_private(partial, json.dumps(dict(extravars)))
@@ -597,9 +604,7 @@ class PrestartedRun:
     def cancel(self) -> None:
         spawned, self._spawned = self._spawned, None
         if spawned is not None:
-            spawned.cancels[0].set()
-            spawned.thread.join()
-            spawned.clean_up()
+            spawned.cancel()
 
 
 def prestart_playbook(
@@ -618,29 +623,14 @@ def prestart_playbook(
 ) -> PrestartedRun:
     """Start `playbook` now, its extra variables `late` given later (PrestartedRun). `channel`: it will
     be followed with `on_message` (the channel's path is fixed at the start)."""
-    playbook, inventory = Path(playbook).resolve(), Path(inventory).resolve()
-    lookup = playbook.parent / "lookup_plugins" / f"{LATE_VARS_LOOKUP}.py"
+    spec = _RunSpec.of(playbook, inventory, limit, tags, skip_tags, timeout_s, verbosity, env, channel)
+    lookup = spec.playbook.parent / "lookup_plugins" / f"{LATE_VARS_LOOKUP}.py"
     if not lookup.is_file():
         raise FileNotFoundError(f"{lookup} is missing: a prestarted playbook reads its variables with it")
     names = frozenset(late)
     if bad := sorted(name for name in names if not LATE_NAME.fullmatch(name)):
         raise ValueError(f"late variable names must be lower-case identifiers: {', '.join(bad)}")
-    key = _run_key(playbook, inventory, limit, tags, skip_tags, timeout_s, verbosity, env, channel)
-    spawned = _spawn(
-        playbook,
-        inventory,
-        {},
-        key=key,
-        limit=limit,
-        tags=tags,
-        skip_tags=skip_tags,
-        timeout_s=timeout_s,
-        verbosity=verbosity,
-        env=env,
-        access=access,
-        channel=channel,
-        late=names,
-    )
+    spawned = _spawn(spec, {}, access, late=names)
     return PrestartedRun(spawned, names, os.path.join(spawned.private_data_dir, LATE_VALUES_FILE))
 
 
@@ -672,26 +662,12 @@ def run_playbook(
     templates. `prestarted`: a run prestart_playbook started for this call (used if it matches).
     KeyboardInterrupt cancels the run (ansible-playbook is terminated) and is then re-raised.
     """
-    playbook, inventory = Path(playbook).resolve(), Path(inventory).resolve()
-    key = _run_key(
+    spec = _RunSpec.of(
         playbook, inventory, limit, tags, skip_tags, timeout_s, verbosity, env, on_message is not None
     )
-    spawned = prestarted.take(key, extravars or {}) if prestarted is not None else None
+    spawned = prestarted.take(spec, extravars or {}) if prestarted is not None else None
     if spawned is None:
-        spawned = _spawn(
-            playbook,
-            inventory,
-            extravars or {},
-            key=key,
-            limit=limit,
-            tags=tags,
-            skip_tags=skip_tags,
-            timeout_s=timeout_s,
-            verbosity=verbosity,
-            env=env,
-            access=access,
-            channel=on_message is not None,
-        )
+        spawned = _spawn(spec, extravars or {}, access)
     if cancel is not None:
         spawned.cancels.append(cancel)
     try:
