@@ -22,10 +22,16 @@ API::
     result.first_failure                   # the first failed/unreachable TaskResult, or None
     result.output                          # the tail of ansible-playbook's own output (syntax errors)
 
+    early = prestart_playbook("play.yml", "inventory/local", {"key"})   # started now, values later
+    ...                                    # meanwhile: work out the values
+    run_playbook("play.yml", "inventory/local", extravars={"key": v}, prestarted=early)
+
 Why it looks like this (the known ansible-runner traps):
 - events are copied onto a queue by the runner's thread and handed to `on_event` on the caller's
   thread, so a slow handler (a live view) never stalls the run; events can repeat, so they are
   deduplicated by uuid;
+- extra variables are values: written to ansible-playbook's -e file with every string that holds a
+  template marker tagged !unsafe, so no value given here is rendered as a Jinja template;
 - the run gets a temporary private_data_dir, removed afterwards: its `artifacts/<id>/command` file
   holds the run's whole environment, so only ANSIBLE_* variables and a short allow-list are passed
   on (the environment is filtered in the status handler, which ansible-runner calls with
