@@ -281,7 +281,7 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
     finally:
         launcher.stop()
         if early is not None:
-            early.cancel()  # when it was not used (it is then a no-op otherwise)
+            early.cancel()  # ends it if the launch did not take it; after that, nothing
     return marks
 
 

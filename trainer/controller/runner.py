@@ -435,11 +435,20 @@ class _Spawned:
         self.clean_up()
 
     def clean_up(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-        # After a cancel (or a crash of ansible-runner) ansible-playbook may still be running.
-        _end_processes(self.marker)
-        shutil.rmtree(self.private_data_dir, ignore_errors=True)
+        _clean_up_run(self.channel, self.marker, self.private_data_dir)
+
+
+def _clean_up_run(channel: _Channel | None, marker: str, private_data_dir: str) -> None:
+    if channel is not None:
+        channel.close()
+    # After a cancel (or a crash of ansible-runner) ansible-playbook may still be running.
+    _end_processes(marker)
+    shutil.rmtree(private_data_dir, ignore_errors=True)
+
+
+def _late_values_path(private_data_dir: str) -> str:
+    """Where a prestarted run's values are written (its lookup finds the path in its environment)."""
+    return os.path.join(private_data_dir, LATE_VALUES_FILE)
 
 
 @dataclass(frozen=True)
@@ -527,7 +536,7 @@ def _spawn(
                 config.write_text(INTERNAL_POLL_CONFIG)
                 runner_config.env["ANSIBLE_CONFIG"] = str(config)
             if late_names:
-                runner_config.env[LATE_VALUES_ENV] = os.path.join(private_data_dir, LATE_VALUES_FILE)
+                runner_config.env[LATE_VALUES_ENV] = _late_values_path(private_data_dir)
             # In memory only: ansible-runner turns `passwords=` into this, after writing env/passwords.
             runner_config.expect_passwords = answers
 
@@ -569,10 +578,7 @@ def _spawn(
             cmdline=shlex.join([*cmdline, "-e", f"@{vars_file}"]),
         )
     except BaseException:
-        if run_channel is not None:
-            run_channel.close()
-        _end_processes(marker)
-        shutil.rmtree(private_data_dir, ignore_errors=True)
+        _clean_up_run(run_channel, marker, private_data_dir)
         raise
     return _Spawned(spec, thread, runner, events, private_data_dir, run_channel, marker, cancels)
 
@@ -589,10 +595,9 @@ class PrestartedRun:
     exactly `late`: it is followed from there. Called otherwise, it is canceled and a new run started
     (the overlap is lost, nothing else). `cancel()` it when unused."""
 
-    def __init__(self, spawned: _Spawned, late: frozenset[str], values_file: str) -> None:
+    def __init__(self, spawned: _Spawned, late: frozenset[str]) -> None:
         self._spawned: _Spawned | None = spawned
         self.late = late
-        self.values_file = values_file
 
     def take(self, spec: _RunSpec, extravars: Mapping[str, Any]) -> _Spawned | None:
         """The run, with `extravars` handed over, if it was started as `spec` asks and still runs."""
@@ -602,9 +607,10 @@ class PrestartedRun:
         if spawned.spec != spec or set(extravars) != self.late or not spawned.thread.is_alive():
             spawned.cancel()
             return None
-        partial = f"{self.values_file}.{os.getpid()}"
+        values_file = _late_values_path(spawned.private_data_dir)
+        partial = f"{values_file}.{os.getpid()}"
         _write_private(partial, json.dumps(dict(extravars)))
-        os.replace(partial, self.values_file)  # whole, or not there: the lookup never reads half
+        os.replace(partial, values_file)  # whole, or not there: the lookup never reads half
         return spawned
 
     def cancel(self) -> None:
@@ -637,7 +643,7 @@ def prestart_playbook(
     if bad := sorted(name for name in names if not LATE_NAME.fullmatch(name)):
         raise ValueError(f"late variable names must be lower-case identifiers: {', '.join(bad)}")
     spawned = _spawn(spec, {}, access, late=names)
-    return PrestartedRun(spawned, names, os.path.join(spawned.private_data_dir, LATE_VALUES_FILE))
+    return PrestartedRun(spawned, names)
 
 
 def run_playbook(

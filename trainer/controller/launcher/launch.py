@@ -345,24 +345,20 @@ class Launcher:
             for node in extravars["launch_nodes"].values():
                 node["secret_env"] = {}
                 node["run_sh"] = ""
-        if playbook == "start.yml":
-            # Its plays run on launch_hosts (no --limit): its command line is the same for every plan.
+        # start.yml's plays run on launch_hosts (no --limit), and it skips what the launch has no use
+        # for by one tag: its command line is the same for every plan, so it may be prestarted.
+        start = playbook == "start.yml"
+        prestarted = None
+        if start:
             prestarted, self.prestarted = self.prestarted, None
-            return run_playbook(
-                PLAYBOOKS / playbook,
-                self.plan.topology.inventory,
-                extravars,
-                env=self.env,
-                skip_tags=START_SKIP_TAG,
-                prestarted=prestarted,
-                **kwargs,
-            )
         return run_playbook(
             PLAYBOOKS / playbook,
             self.plan.topology.inventory,
             extravars,
             env=self.env,
-            limit=",".join(self.hosts),
+            limit=None if start else ",".join(self.hosts),
+            skip_tags=START_SKIP_TAG if start else None,
+            prestarted=prestarted,
             **kwargs,
         )
 
