@@ -485,8 +485,12 @@ def test_launch_and_preflight_refuse_like_plan_and_write_nothing(tmp_path, capsy
     with the same problems, before a run directory, a report or a cache file is written."""
     from trainer.cli import main
 
+    # A user's home exists before the command: the launch's early ansible-playbook (started while
+    # the plan is made, canceled when the plan fails) makes Ansible's ~/.ansible in it, as any
+    # Ansible run does; the home itself is not something the launch wrote.
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / ".cache"))
+    (tmp_path / "home").mkdir()
     hosts = copy.deepcopy(GOOD_HOSTS)
     hosts["node-a"]["cluster_ip"] = "127.0.0.1\nevil slots=64"
     cluster_vars = dict(GOOD_VARS, cluster_shared_dir="/", training_user_home="/home/a b")
