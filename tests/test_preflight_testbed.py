@@ -305,7 +305,46 @@ def test_one_slow_link_stands_out_from_the_others(tmp_path):
             "ct-worker2 -> " in result["detail"] and "below the median of the other links" in result["detail"]
         )
         assert_fix(result, WORKER2, "tc qdisc show")
+        assert "(measured twice: the faster of the two)" in result["detail"]  # slow both times
     assert report["bandwidth"]["matrix"][2][0] < 0.1  # ct-worker2 -> ct-head, Gbit/s
+    retested = sorted(sorted(pair) for pair in report["bandwidth"]["retested"])
+    assert retested == [sorted([HEAD, WORKER2]), sorted([WORKER1, WORKER2])], output
+
+
+def test_a_link_slow_only_in_the_first_measurement_does_not_warn(tmp_path):
+    """ct-worker2's egress shaped during the first iperf3 rounds only (a busy host, a burst of other
+    traffic): its pairs are measured again, fast the second time, and nothing warns."""
+    on(WORKER2, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "50mbit", "burst", "32kbit",
+       "latency", "400ms")  # fmt: skip
+    command = [sys.executable, "-m", "trainer", "preflight", "-i", str(INVENTORY),
+               "--report", str(tmp_path / "report.json"), *FAST]  # fmt: skip
+    child = subprocess.Popen(
+        command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen = []
+    try:
+        for line in child.stdout:
+            seen.append(line)
+            # Printed before the second ansible-playbook starts; its iperf3 runs after the playbook's
+            # start and two tasks on every node, far longer than this one podman exec.
+            if "iperf3 again for" in line:
+                on(WORKER2, "tc", "qdisc", "del", "dev", "eth0", "root")
+                break
+        rest, _ = child.communicate(timeout=900)
+    finally:
+        on(WORKER2, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+        if child.poll() is None:
+            child.kill()
+    output = "".join(seen) + rest
+    assert child.returncode == exitcodes.OK, output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert sorted(sorted(pair) for pair in report["bandwidth"]["retested"]) == [
+        sorted([HEAD, WORKER2]),
+        sorted([WORKER1, WORKER2]),
+    ], output
+    bandwidth = {r["subject"]: r for r in report["results"] if r["check"] == "bandwidth"}
+    assert [r["status"] for r in bandwidth.values()] == ["pass"] * 3, output
+    assert all(report["bandwidth"]["matrix"][2][j] > 0.5 for j in (0, 1)), output  # ct-worker2 -> others
 
 
 @pytest.mark.slow

@@ -125,7 +125,10 @@ def extravars(
     token: str | None = None,
     model_dir: str = "",
     io_timeout_s: float = 10.0,
+    rounds: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """The probe playbook's variables; `rounds` replaces the bandwidth check's full round robin (a
+    re-measure of some pairs)."""
     head = cluster.head
     comm_range = str(head.get("cluster_comm_port_range", "29400:29999"))
     parse_port_range(comm_range)  # a clear error before anything runs
@@ -142,7 +145,7 @@ def extravars(
         "preflight_facts": bool(FACT_CHECKS & set(checks)),
         "preflight_requests": node_requests(cluster, checks, token, model_dir, io_timeout_s),
         "preflight_io_timeout_s": io_timeout_s,
-        "preflight_iperf_rounds": iperf_rounds(cluster) if "bandwidth" in checks else [],
+        "preflight_iperf_rounds": (rounds or iperf_rounds(cluster)) if "bandwidth" in checks else [],
         "preflight_iperf_seconds": iperf_seconds,
     }
 
@@ -161,10 +164,11 @@ def run_probes(
     token: str | None = None,
     model_dir: str = "",
     io_timeout_s: float = 10.0,
+    rounds: list[dict[str, Any]] | None = None,
 ) -> Probes:
     from trainer.controller.runner import run_playbook  # imported here: ansible-runner is heavy
 
-    variables = extravars(cluster, checks, iperf_seconds, token, model_dir, io_timeout_s)
+    variables = extravars(cluster, checks, iperf_seconds, token, model_dir, io_timeout_s, rounds)
     result = run_playbook(
         PLAYBOOK,
         cluster.inventory,
