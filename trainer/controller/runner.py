@@ -428,10 +428,14 @@ class _Spawned:
     #: Any of these set cancels the run (the caller's `cancel` joins when the run is followed).
     cancels: list[threading.Event]
 
-    def cancel(self) -> None:
-        """End it (it may wait for values it will never get) and clean up."""
+    def stop(self) -> None:
+        """End ansible-playbook (it may wait for values it will never get) and wait for ansible-runner."""
         self.cancels[0].set()
         self.thread.join()
+
+    def cancel(self) -> None:
+        """End it and clean up."""
+        self.stop()
         self.clean_up()
 
     def clean_up(self) -> None:
@@ -739,8 +743,7 @@ def _follow(
                 next_tick = time.monotonic() + TICK_S
                 on_tick()
     except BaseException:
-        spawned.cancels[0].set()
-        thread.join()
+        spawned.stop()
         raise
     thread.join()
     runner = spawned.runner

@@ -189,7 +189,7 @@ class Measured:
         """(sender, receiver) -> Gbit/s, both directions of every pair iperf3 answered for."""
         found: dict[tuple[str, str], float | None] = {}
         for (client, server), (forward, reverse, error) in self.pairs.items():
-            if not (error and forward is None):
+            if not error:  # an error comes without numbers (parse_iperf_json, measure)
                 found[(client, server)], found[(server, client)] = forward, reverse
         return found
 
