@@ -82,6 +82,27 @@ def test_injected_ecc_fault_trips_at_its_step_sends_the_webhook_and_exits_75(tmp
     assert payload["metrics"]["temperature_c"] == 40
 
 
+def test_a_fault_the_loop_sees_first_is_still_sent_before_the_exit(tmp_path):
+    """The loop can see the open circuit before the monitor thread has queued the event (a loaded
+    node: the thread descheduled between the breaker's trip and its send). finish() sends it then,
+    once, and waits for it; before, the sender was idle and the process exited without sending."""
+    healthy = fault_file(tmp_path)  # the monitor thread runs and never trips on its own
+    with WebhookServer() as server:
+        config = HealthConfig(fault_source=healthy, poll_interval_s=0.05, webhook_url=server.url())
+        monitor = start_monitor(config, rank=0, local_rank=0, cuda_device=None, host="nodeC")
+        breaker = CircuitBreaker(config, host="nodeC", rank=0, local_rank=0)
+        fault = breaker.evaluate(reading(ecc_uncorrectable=3), step=4)
+        err = io.StringIO()
+        assert monitor.finish(fault, stream=err) == 75
+        delivered = list(server.requests)  # finish() waited for the delivery
+        assert monitor.finish(fault, stream=err) == 75  # twice: still one event, one line
+        time.sleep(0.2)  # a second event, if one were sent, would have arrived by now
+        requests = list(server.requests)
+    assert len(delivered) == 1 and requests == delivered, requests
+    assert requests[0]["json"]["metric"] == "ecc_uncorrectable" and requests[0]["json"]["step"] == 4
+    assert err.getvalue().count("GPU_FAULT") == 1
+
+
 def test_faults_for_another_gpu_host_or_rank_do_not_trip(tmp_path):
     source = fault_file(
         tmp_path,

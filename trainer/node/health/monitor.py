@@ -197,22 +197,24 @@ class HealthMonitor:
         return self._breaker.evaluate(reading, step=self.step)
 
     def _notify(self, fault: Fault) -> None:
+        # Under the lock until the event is queued (send never blocks): a caller that finds it already
+        # notified knows the event is in the sender's queue, so _report's flush waits for it.
         with self._report_lock:
             if self._notified:
                 return
             self._notified = True
-        # Not the GPU_FAULT line itself: that one is printed exactly once, by _report.
-        log.error(
-            "GPU %s on %s (rank %s) faulted: %s=%s, threshold %s; sending the gpu.fault event",
-            fault.gpu,
-            fault.host,
-            fault.rank,
-            fault.metric,
-            fault.value,
-            fault.threshold,
-        )
-        if self._sender is not None:
-            self._sender.send_fault(fault)
+            # Not the GPU_FAULT line itself: that one is printed exactly once, by _report.
+            log.error(
+                "GPU %s on %s (rank %s) faulted: %s=%s, threshold %s; sending the gpu.fault event",
+                fault.gpu,
+                fault.host,
+                fault.rank,
+                fault.metric,
+                fault.value,
+                fault.threshold,
+            )
+            if self._sender is not None:
+                self._sender.send_fault(fault)
 
     def _wait_for_loop_then_exit(self, fault: Fault) -> None:
         if self._finished.wait(self.config.fault_exit_grace_s):
@@ -225,6 +227,10 @@ class HealthMonitor:
         os._exit(exitcodes.GPU_FAULT)
 
     def _report(self, fault: Fault, stream: TextIO) -> None:
+        # The loop sees the open circuit as soon as the monitor thread's breaker trips, which may be
+        # before that thread has queued the event: queue it here if not yet, or the flush below finds
+        # the sender idle and the process exits without sending it.
+        self._notify(fault)
         with self._report_lock:
             if self._reported:
                 return
