@@ -303,6 +303,20 @@ def rng_file(checkpoint: Path, rank: int) -> Path:
     return checkpoint / f"rng-rank{rank}.pt"
 
 
+def seed_rng(seed: int, step: int, rank: int) -> None:
+    """Seed this rank's generators for a resume at `step` when the checkpoint has no random state for
+    it: it was written by fewer processes (a job restarted on more nodes), or the file was deleted.
+    From (train.seed, step, rank): each such rank its own streams, the same on every resume from this
+    step, and not the ones step 1 started with (seed + rank), which would repeat their dropout masks."""
+    import numpy as np
+    import torch
+
+    value = int(content_hash(f"rng:{seed}:{step}:{rank}")[:8], 16)  # 32 bits: numpy's limit
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)  # every CUDA device too
+
+
 def load_rng_state(path: Path) -> dict[str, Any]:
     """A rank's RNG file, read with torch.load(weights_only=True): no code in it can run. ConfigError
     naming the file for anything else (a pickle of objects, an older trainer's format, a damaged file)."""
