@@ -7,6 +7,11 @@ FAILURE = 1
 CONFIG_ERROR = 2
 #: The dataset cannot fill one effective batch (see the error for the four ways out).
 DATA_ERROR = 3
+#: A node of the job was lost (it stopped answering while its peers' collectives failed) and the job
+#: could not go on without it (sysexits' EX_UNAVAILABLE).
+NODE_LOST = 69
+#: Ctrl-C, TERM or HUP: the launcher stopped every node and ended (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
 #: A GPU health check tripped the circuit breaker; the node's hardware needs attention.
 GPU_FAULT = 75
 #: Preflight found at least one failing check.

@@ -18,6 +18,8 @@ import traceback
 from typing import TYPE_CHECKING
 
 from trainer import exitcodes
+from trainer.node import exit_record
+from trainer.peer_loss import is_peer_loss
 
 if TYPE_CHECKING:
     from trainer.node.config import TrainerConfig
@@ -56,14 +58,18 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _say(message: str, *, consequence: bool = False) -> None:
+    """This rank's one-line reason for failing: printed, and kept for its exit record."""
+    exit_record.note(message, consequence=consequence)
+    print(f"trainer: {message}", file=sys.stderr, flush=True)
+
+
 def _error(message: str) -> None:
+    exit_record.note(message)
     # Every rank finds the same problem; one copy of the message is enough.
     if _rank() == 0:
         print(f"trainer: {message}", file=sys.stderr, flush=True)
 
-
-#: gloo's words when the rank at the other end of a collective has gone (it died, and said why).
-PEER_GONE = "Connection closed by peer"
 
 #: Everything a run writes (checkpoints, metrics, logs, the final model) is the training account's and
 #: its group's to read, nobody else's: the shared dir is reachable by every local account on every node.
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     # caller that runs the command in its own process (the tests do).
     previous = os.umask(RUN_UMASK)
     os.umask(previous | RUN_UMASK)
+    code = exitcodes.FAILURE
     try:
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             # Under torchrun: an exception that ends this rank is written, with its traceback, to the
@@ -82,9 +89,16 @@ def run(args: argparse.Namespace) -> int:
             # rank from it. Imported only then: it loads torch.
             from torch.distributed.elastic.multiprocessing.errors import record
 
-            return record(_run)(args)
-        return _run(args)
+            code = record(_run)(args)
+        else:
+            code = _run(args)
+        return code
+    except BaseException as error:
+        exit_record.note(_last_line(error))
+        raise
     finally:
+        # This rank's own code and reason (torchrun's exit code is 1 whatever they were).
+        exit_record.write(code)
         os.umask(previous)
 
 
@@ -167,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         return exitcodes.CONFIG_ERROR
     except AcceleratorMismatch as err:
         # Each node finds its own problem: its first process says it (rank 0 may be on a good node).
+        exit_record.note(str(err))
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             print(f"trainer: {err}", file=sys.stderr, flush=True)
         return exitcodes.CONFIG_ERROR
@@ -447,46 +462,43 @@ def train(
     except Exception as error:
         # A CUDA error in the step, or any error after this rank's GPU faulted: exit 75, not 1.
         if (code := health.exit_code_for(error, on_gpu=on_gpu)) is not None:
+            exit_record.note(f"GPU fault: {_last_line(error)}")
             return code
         if isinstance(
             error, ConfigError
         ):  # found at load or build: a checkpoint or a model that does not fit
+            exit_record.note(f"config error: {error}")
             if topology.is_main or error.key == "model":  # memory runs out on one rank, not on all
                 print(f"trainer: config error: {error}", file=sys.stderr, flush=True)
             return exitcodes.CONFIG_ERROR
         if isinstance(error, DiskFull):
             clean = error.everywhere
+            exit_record.note(str(error))
             if topology.is_main or not error.everywhere:
                 print(f"trainer: {error}", file=sys.stderr, flush=True)
             return exitcodes.NO_SPACE
         if says_no_space(error):  # run.json, metrics.jsonl, ds_config.json, the final model
-            print(
-                f"trainer: rank {topology.rank}: no space left on device in {output_dir} "
+            _say(
+                f"rank {topology.rank}: no space left on device in {output_dir} "
                 f"({_failed_file(error)}): {human_size(free_bytes(output_dir))} free; the checkpoints "
-                "written so far are intact; free space there, then run the same command again to resume",
-                file=sys.stderr,
-                flush=True,
+                "written so far are intact; free space there, then run the same command again to resume"
             )
             return exitcodes.NO_SPACE
         if is_out_of_memory(error):  # the estimate at start leaves activations out: the step found them
-            print(
-                f"trainer: rank {topology.rank}: config error: model: training ran out of memory "
+            _say(
+                f"rank {topology.rank}: config error: model: training ran out of memory "
                 f"({_last_line(error)}); use a smaller train.micro_batch_size (more "
                 f"train.gradient_accumulation_steps keep the effective batch), "
-                f"train.gradient_checkpointing=true (Hugging Face models), or {MEMORY_FIXES}",
-                file=sys.stderr,
-                flush=True,
+                f"train.gradient_checkpointing=true (Hugging Face models), or {MEMORY_FIXES}"
             )
             return exitcodes.CONFIG_ERROR
-        if isinstance(error, RuntimeError) and PEER_GONE in str(error):
-            # A consequence (another rank died first and said why), not a cause: one line, no traceback.
+        if isinstance(error, RuntimeError) and is_peer_loss(str(error)):
+            # A consequence (another rank died first, or its node vanished), not a cause: one line, no
+            # traceback; the launcher orders the ranks' exit records to name the first cause.
             first = str(error).strip().splitlines()[0][:300]
-            print(
-                f"trainer: rank {topology.rank} stopped: another rank failed first ({first})",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"rank {topology.rank} stopped: another rank failed first ({first})", consequence=True)
             return exitcodes.FAILURE
+        exit_record.note(_last_line(error))
         print(f"trainer: rank {topology.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         record_error(error)
         return exitcodes.FAILURE

@@ -17,9 +17,11 @@ the lock (the launcher that started the run is dead), it honours what is left: o
 stops every node and starts each node's run.sh again as the launcher wrote it (with its secret
 variables and the run's files, as they are on the shared dir: attach has not the launch's config,
 --set and --env to write them anew), so the bundled trainer resumes from the latest checkpoint.
---exclude-failed is not applied (leaving a node out needs a new plan from that config). When the
-lock stays with a launcher that runs, or one that cannot be checked, attach does not restart (that
-launcher restarts the run itself, if it runs); it says what to run.
+The restarts follow the launcher's policy (restarts.RestartPolicy): bad input is never restarted, a
+lost head is said plainly. A lost node cannot be left out here (that needs a new plan from the
+launch's config): attach says so and what to run. When the lock stays with a launcher that runs, or
+one that cannot be checked, attach does not restart (that launcher restarts the run itself, if it
+runs); it says what to run.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import InventoryError, load_cluster
 from trainer.controller.launcher.launch import (
-    INTERRUPTED,
     Launcher,
     add_watch_arguments,
     install_signal_handlers,
@@ -40,6 +41,7 @@ from trainer.controller.launcher.launch import (
 )
 from trainer.controller.launcher.live import LiveView
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, PlanError, make_plan
+from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.runlock import LockError, describe_holder, holder_state
 from trainer.controller.launcher.status import launch_info, launcher_alive
 from trainer.controller.launcher.topology import TopologyError
@@ -95,21 +97,28 @@ def run(args: argparse.Namespace) -> int:
     install_signal_handlers(view)
     adopt_lock(launcher, view)
     max_restarts, used = int(info.get("max_restarts") or 0), int(info.get("restarts") or 0)
-    launcher.max_restarts, launcher.restarts = max_restarts, used
     may_restart = launcher.lock.held and used < max_restarts
-    # The lock stays held through the follow's stop when a restart may come.
-    launcher.final_attempt = not may_restart
+    policy = RestartPolicy(
+        launcher,
+        view,
+        max_restarts=max_restarts if may_restart else 0,
+        restarts_used=used,
+        inventory=str(args.inventory),
+    )
     try:
-        outcome = launcher.attempt(view, {}, attach=True)
-        if outcome.code in (exitcodes.OK, INTERRUPTED) or not outcome.restartable:
+        # The lock stays held through the follow's stop when a restart may come.
+        outcome = launcher.attempt(view, {}, policy=policy.state(), final=not may_restart, attach=True)
+        if outcome.code in (exitcodes.OK, exitcodes.INTERRUPTED) or not outcome.restartable:
+            policy.go_on(outcome)  # says why not (bad input, the head lost)
             return outcome.code
         if may_restart:
             launcher.reuse_node_files = True
-            view.message(
-                f"this launch had --max-restarts {max_restarts} ({used} used): attach restarts each node's "
-                "run.sh as the launcher wrote it"
-            )
-            return launcher.restart_after(view, outcome, max_restarts, used)
+            if not outcome.lost:
+                view.message(
+                    f"this launch had --max-restarts {max_restarts} ({used} used): attach restarts each "
+                    "node's run.sh as the launcher wrote it"
+                )
+            return policy.go_on(outcome)
         if used < max_restarts:
             view.message(
                 f"not restarted by attach: the run's lock is not this attach's (its launcher may still "
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         return outcome.code
     except KeyboardInterrupt:
         view.message(f"interrupted between two attempts: nothing of run {args.run_name} runs")
-        return INTERRUPTED
+        return exitcodes.INTERRUPTED
     finally:
         launcher.release_lock(view)
 

@@ -18,14 +18,13 @@ with a timeout, no module built or copied.
   launch (no restart follows) releases the lock.
 
 A node that stops answering is shown as `unreachable (Ns)` while its trainer keeps running; it is
-failed only after `--unreachable-grace` seconds. No rank advancing a step (the bundled trainer) or
-no node printing a line (a user's command) for `--stall-timeout` seconds stops every node and names
-the ranks that were behind. With `--max-restarts K`, a failed run (a trainer's exit code, a lost
-node, a GPU fault, a stall) is stopped everywhere and started again up to K times; the bundled
-trainer resumes from the latest complete checkpoint. `--exclude-failed` leaves out a node that
-failed twice when the rest still divide the effective batch. Each restart is a line here and a
-record in `<run>/launch/history.jsonl`. A failure names its root cause when a rank left an error
-file (live.root_cause: torch's @record under torchrun's --log-dir).
+lost at once when its peers' collectives fail meanwhile, else after `--unreachable-grace` seconds.
+No rank advancing a step (the bundled trainer) or no node printing a line (a user's command) for
+`--stall-timeout` seconds stops every node and names the ranks that were behind.
+
+This module runs one attempt (`Launcher.attempt`: probe, start, follow, stop) and says how it ended
+(`Outcome`); failure.py names the cause and its consequences; restarts.py is the policy above it
+(--max-restarts, --exclude-failed, --allow-batch-change), shared with `trainer attach`.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ import sys
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -49,8 +47,9 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.access import configure_access
 from trainer.controller.inventory import Cluster, InventoryError, load_cluster
+from trainer.controller.launcher.failure import Diagnosis, diagnose, render
 from trainer.controller.launcher.launchfiles import launch_files
-from trainer.controller.launcher.live import JobMonitor, LiveView, describe, root_cause
+from trainer.controller.launcher.live import JobMonitor, LiveView
 from trainer.controller.launcher.plan import (
     COMMAND_EPILOG,
     JobPlan,
@@ -58,6 +57,7 @@ from trainer.controller.launcher.plan import (
     add_job_arguments,
     make_plan,
 )
+from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.runlock import (
     LOCK_TASK,
     RELEASE_TASK,
@@ -85,7 +85,7 @@ START_TASK = "Start the trainer in its own process group"
 WATCH_TASK = "Follow the trainer until it ends"
 STOP_TASK = "Stop the trainer's process group"
 STATUS_TASK = "Read the node's state"
-INTERRUPTED = 130
+INTERRUPTED = exitcodes.INTERRUPTED
 #: ansible-playbook's settings for every run of a launch. ansible.cfg of the current directory is not
 #: read for these playbooks, so what matters here is set outright. Forks bound concurrency only (Ansible
 #: starts a worker per host of a task, up to this many): the watch polls every node at once on any
@@ -138,9 +138,6 @@ LAUNCH_VARS = frozenset(
 TAKES_COMMAND = True
 #: The bundled trainer's default --stall-timeout (a user's command has none unless given).
 BUNDLED_STALL_TIMEOUT_S = 600.0
-#: Exit codes of the bundled trainer that a restart would only repeat (config, data, a full disk:
-#: the restarted trainer's own room check would refuse again).
-NOT_RESTARTABLE = {exitcodes.CONFIG_ERROR, exitcodes.DATA_ERROR, exitcodes.NO_SPACE}
 
 
 #: Connections that run a task as `ansible_user` (without become): ssh's and paramiko's.
@@ -195,13 +192,18 @@ class Outcome:
     """How one attempt ended."""
 
     code: int
+    """The cause's own exit code (failure.Diagnosis.code), 0 when done."""
     kind: str
-    """done | failed | unreachable | gpu_fault | stall | interrupted | start_failed | watch_failed"""
+    """done | failed | interrupted | locked | start_failed | watch_failed"""
     hosts: list[str] = field(default_factory=list)
-    """The hosts to blame (a failure's first host; a stall's hosts that were behind)."""
+    """The hosts to blame (the cause's host; a stall's hosts that were behind)."""
     reason: str = ""
     restartable: bool = False
     latest_checkpoint: str = ""
+    lost: list[str] = field(default_factory=list)
+    """Hosts confirmed lost: they stopped answering while their peers failed, past the grace, or at
+    their probe (restarts.py leaves them out with --exclude-failed)."""
+    diagnosis: Diagnosis | None = None
 
 
 class Launcher:
@@ -217,13 +219,8 @@ class Launcher:
         self.options = options
         #: The run's lock on the head (runlock.py): taken before the first probe, kept across restarts.
         self.lock = RunLock(plan.run_name, plan.launch_dir, command)
-        #: The restart policy (--max-restarts, --exclude-failed) and the restarts used so far: in
-        #: launch.json, for `trainer attach`.
-        self.max_restarts = 0
-        self.exclude_failed = False
-        self.restarts = 0
-        #: No restart can follow this attempt: its stop releases the lock.
-        self.final_attempt = True
+        #: The restart policy's state (restarts.RestartPolicy.state): in launch.json, for `trainer attach`.
+        self.policy: dict[str, Any] = {}
         #: Restart with the run.sh, secret variables and run files the nodes already have (`trainer
         #: attach`, which has not the launch's config, --set and --env): nothing is written but the
         #: new launch id, the launch record and this helper.
@@ -234,6 +231,13 @@ class Launcher:
         self.become: dict[str, bool] = {}
         self.attempt_number = 0
         self.new_launch()
+
+    def use_plan(self, plan: JobPlan) -> None:
+        """The next attempt runs `plan` (the restart policy left nodes out of it)."""
+        hosts = {n.host for n in plan.topology.nodes}
+        self.plan = plan
+        self.become = {h: b for h, b in self.become.items() if h in hosts}
+        self.files = launch_files(plan)
 
     def new_launch(self) -> None:
         #: Tags every process this launch starts (see node_ctl.py), so a stop finds them all.
@@ -273,9 +277,11 @@ class Launcher:
             "unreachable_grace_s": options.unreachable_grace_s,
             "stall_timeout_s": options.stall_timeout_s,
             "stop_grace_s": options.stop_grace_s,
-            "max_restarts": self.max_restarts,
-            "exclude_failed": self.exclude_failed,
-            "restarts": self.restarts,
+            "micro_batch_size": plan.micro_batch_size if plan.runs_bundled_trainer else None,
+            "gradient_accumulation_steps": plan.gradient_accumulation_steps
+            if plan.runs_bundled_trainer
+            else None,
+            **self.policy,
         }
 
     def extravars(self, **extra: Any) -> dict[str, Any]:
@@ -339,7 +345,9 @@ class Launcher:
             **extra,
         }
 
-    def _run(self, playbook: str, extravars: dict[str, Any], **kwargs: Any) -> PlaybookResult:
+    def _run(
+        self, playbook: str, extravars: dict[str, Any], *, skip: set[str] = frozenset(), **kwargs: Any
+    ) -> PlaybookResult:
         if playbook != "start.yml":
             # Only the start needs the files and secrets; the other playbooks never see them.
             for node in extravars["launch_nodes"].values():
@@ -356,7 +364,7 @@ class Launcher:
             self.plan.topology.inventory,
             extravars,
             env=self.env,
-            limit=None if start else ",".join(self.hosts),
+            limit=None if start else ",".join(h for h in self.hosts if h not in skip),
             skip_tags=START_SKIP_TAG if start else None,
             prestarted=prestarted,
             **kwargs,
@@ -371,9 +379,11 @@ class Launcher:
         stacks: bool = False,
         record: dict | None = None,
         release: bool = False,
+        skip: set[str] = frozenset(),
     ) -> PlaybookResult:
-        """Stop the run on every host (and release the run's lock with `release`, when no restart
-        follows). A second Ctrl-C (or TERM, or HUP) must not cut this short (it would leave trainers
+        """Stop the run on every host but `skip` (hosts known lost: a stop there would only wait for
+        their connection to time out), and release the run's lock with `release`, when no restart
+        follows. A second Ctrl-C (or TERM, or HUP) must not cut this short (it would leave trainers
         running), so they are ignored until the stop playbook is done."""
         signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
@@ -387,6 +397,7 @@ class Launcher:
                     # taking and its report. The head removes it only for this launcher's token.
                     launch_release_lock=release,
                 ),
+                skip=skip,
             )
         finally:
             for sig, handler in previous.items():
@@ -399,6 +410,9 @@ class Launcher:
                 for item in items:
                     if item.task == STOP_TASK and host in monitor.hosts and "state" in item.result:
                         monitor.apply(monitor.hosts[host], item.result)
+            for host, items in result.unreachable.items():
+                if host in monitor.hosts:
+                    monitor.on_unreachable(host, items[-1].message)
         return result
 
     @staticmethod
@@ -423,9 +437,19 @@ class Launcher:
             ranks={n.host: n.global_ranks(topo.gpus_per_node) for n in topo.nodes},
         )
 
-    def attempt(self, view: LiveView, record: dict[str, Any], *, attach: bool = False) -> Outcome:
+    def attempt(
+        self,
+        view: LiveView,
+        record: dict[str, Any],
+        *,
+        policy: dict[str, Any] | None = None,
+        final: bool = True,
+        attach: bool = False,
+    ) -> Outcome:
         """Start the job on every node and follow it until it ends, fails or stalls; with `attach`,
-        follow the launch that is already running (`trainer attach`)."""
+        follow the launch that is already running (`trainer attach`). `policy`: the restart policy's
+        state, for launch.json; `final`: no restart can follow, so the stop releases the run's lock."""
+        self.policy = dict(policy or {})
         plan, topo = self.plan, self.plan.topology
         if not attach:
             self.attempt_number += 1
@@ -542,7 +566,9 @@ class Launcher:
             if interrupted:
                 view.message("interrupted: stopping the trainer on every host (wait for it)")
                 stopped = self.stop(
-                    monitor, record=self._stop_record("interrupted", "Ctrl-C, TERM or HUP"), release=True
+                    monitor,
+                    record=self._stop_record(None, "interrupted", "Ctrl-C, TERM or HUP"),
+                    release=True,
                 )
                 view.states(monitor.ordered)
                 self._report_stop_problems(stopped, view)
@@ -553,7 +579,7 @@ class Launcher:
                 view.log(self.lock.refusal(lock_refused[0]))
                 return Outcome(exitcodes.CONFIG_ERROR, "locked", [], "the run is locked by another launch")
             if start_failures:
-                return self._start_failed(start_failures, started, view)
+                return self._start_failed(start_failures, started, view, monitor)
             if monitor.all_done:
                 view.message(
                     f"[green]done[/green]: run {plan.run_name} finished on all {len(monitor.hosts)} node(s); "
@@ -564,20 +590,23 @@ class Launcher:
             if not monitor.must_stop and result is not None and result.output.strip():
                 view.message("[red]trainer launch: the launch playbook ended early[/red]")
                 view.log(result.output.strip()[-2000:])
-            if monitor.failed:
-                first = monitor.first_failure()
-                view.message(f"{first.host} failed: stopping the trainer on every other host")
-            elif stall is not None:
+            # What is known now names the cause in the history record the stop writes; the stop's own
+            # answers (a node that does not answer it) complete it for the report below.
+            early = diagnose(monitor, bundled=plan.runs_bundled_trainer)
+            if stall is not None:
                 view.message(f"stalled ({stall.summary}): collecting stacks, then stopping every host")
-            outcome = self._failure_outcome(monitor, result)
+            elif early is not None:
+                view.message(f"{early.cause_phrase}; stopping the trainer on every host that answers")
             stopped = self.stop(
                 monitor,
                 stacks=stall is not None and plan.runs_bundled_trainer,
-                record=self._stop_record(outcome.kind, outcome.reason, outcome.hosts),
-                release=self.final_attempt,
+                record=self._stop_record(early),
+                release=final,
+                skip=set(early.lost) if early is not None else set(),
             )
             view.states(monitor.ordered)
-        outcome.latest_checkpoint = next(
+        diagnosis = diagnose(monitor, bundled=plan.runs_bundled_trainer)
+        latest = next(
             (
                 str(item.result.get("latest_checkpoint") or "")
                 for item in stopped.ok.get(topo.head.host, [])
@@ -585,197 +614,111 @@ class Launcher:
             ),
             "",
         )
-        self._report(monitor, outcome, stopped, view)
-        return outcome
+        self._report_stop_problems(stopped, view, lost=diagnosis.lost if diagnosis else [])
+        if diagnosis is None:
+            view.message("[red]trainer launch: watching the trainer failed[/red]")
+            return Outcome(
+                exitcodes.FAILURE, "watch_failed", [], "watching the trainer failed", latest_checkpoint=latest
+            )
+        stacks = {
+            host: item.result.get("stacks") or {}
+            for host, items in stopped.ok.items()
+            for item in items
+            if item.task == STOP_TASK
+        }
+        stopped_in = (
+            f" {time.time() - monitor.failed_at:.1f} s after the failure" if monitor.failed_at else ""
+        )
+        render(
+            diagnosis,
+            monitor,
+            view,
+            stopped_in=stopped_in,
+            stall_timeout_s=self.options.stall_timeout_s,
+            stacks=stacks,
+        )
+        cause = diagnosis.cause
+        return Outcome(
+            diagnosis.code,
+            "failed",
+            sorted({host for host, _, _ in stall.behind})
+            if stall is not None and cause.kind == "stall"
+            else [cause.host],
+            diagnosis.summary,
+            restartable=diagnosis.restartable,
+            latest_checkpoint=latest,
+            lost=list(diagnosis.lost),
+            diagnosis=diagnosis,
+        )
 
-    def _stop_record(self, why: str, detail: str, hosts: list[str] | None = None) -> dict[str, Any]:
-        return {
+    def _stop_record(
+        self, diagnosis: Diagnosis | None, why: str = "failed", detail: str = ""
+    ) -> dict[str, Any]:
+        """The history record a stop writes on the head: why, and for a failure its cause and what
+        followed from it (failure.Diagnosis)."""
+        record = {
             "event": "stopped",
             "launch_id": self.launch_id,
             "attempt": self.attempt_number,
             "why": why,
             "detail": detail,
-            "hosts": hosts or [],
+            "hosts": [],
         }
+        if diagnosis is not None:
+            record.update(
+                why=diagnosis.cause.kind,
+                detail=diagnosis.summary,
+                hosts=[diagnosis.cause.host],
+                **diagnosis.as_record(),
+            )
+        return record
 
     def _start_failed(
         self,
         failures: list[tuple[str, str, str, str]],
         started: set[str],
         view: LiveView,
+        monitor: JobMonitor,
     ) -> Outcome:
-        host, task, text, _ = failures[0]
-        view.message(f"[red]trainer launch: could not start on {host}[/red] ({task}): {text}")
+        """A probe or start step failed on some node. One that could not be reached at all is lost
+        (restarts.py leaves it out with --exclude-failed); any other failure is the job's."""
+        unreachable = list(dict.fromkeys(h for h, _, _, n in failures if n == "runner_on_unreachable"))
+        host, task, text, _ = next((f for f in failures if f[0] not in unreachable), failures[0])
+        for lost in unreachable:
+            monitor.on_unreachable(lost, next(t for h, _, t, _ in failures if h == lost))
+            first_line = next(t for h, _, t, _ in failures if h == lost).splitlines()[0][:200]
+            view.message(f"[red]{lost} does not answer[/red] ({first_line}): it is lost")
+        reachable_failure = host not in unreachable
+        if reachable_failure:
+            view.message(f"[red]trainer launch: could not start on {host}[/red] ({task}): {text}")
         if started:
             view.message("stopping the nodes that had started")
-            self.stop(record=self._stop_record("start_failed", text, [host]))
-        unreachable = [h for h, _, _, n in failures if n == "runner_on_unreachable"]
+            record = {"why": "start_failed", "detail": text, "hosts": [host], "lost": unreachable}
+            self.stop(record={**self._stop_record(None), **record}, skip=set(unreachable))
         return Outcome(
-            exitcodes.FAILURE,
+            exitcodes.FAILURE if reachable_failure or not unreachable else exitcodes.NODE_LOST,
             "start_failed",
-            unreachable or [host],
-            f"could not start on {host}: {text.splitlines()[0][:200] if text else task}",
-            restartable=bool(unreachable),
+            [host] if reachable_failure else unreachable,
+            f"could not start on {host}: {text.splitlines()[0][:200] if text else task}"
+            if reachable_failure
+            else f"{', '.join(unreachable)} did not answer its probe",
+            restartable=not reachable_failure,
+            lost=[] if reachable_failure else unreachable,
         )
 
-    def _failure_outcome(self, monitor: JobMonitor, result: PlaybookResult | None) -> Outcome:
-        plan = self.plan
-        fault = monitor.gpu_fault()
-        if fault is not None:
-            hs, info = fault
-            return Outcome(
-                exitcodes.GPU_FAULT,
-                "gpu_fault",
-                [hs.host],
-                f"GPU {info['gpu']} of rank {info['rank']} on {hs.host} tripped the health check "
-                f"({info['metric']}={info['value']})",
-                restartable=True,
-            )
-        first = monitor.first_failure()
-        if first is not None:
-            restartable = not (
-                plan.runs_bundled_trainer and first.state == "failed" and first.exit_code in NOT_RESTARTABLE
-            )
-            cause = root_cause(monitor)
-            return Outcome(
-                exitcodes.FAILURE,
-                "unreachable" if first.state == "unreachable" else "failed",
-                [first.host],
-                f"{first.host} {describe(first)}"
-                + (f"; rank {cause.rank} raised {cause.message[:200]}" if cause is not None else ""),
-                restartable=restartable,
-            )
-        if monitor.stall is not None:
-            stall = monitor.stall
-            hosts = sorted({host for host, _, _ in stall.behind}) if plan.runs_bundled_trainer else []
-            return Outcome(exitcodes.FAILURE, "stall", hosts, stall.summary, restartable=True)
-        return Outcome(exitcodes.FAILURE, "watch_failed", [], "watching the trainer failed")
-
-    def _report_stop_problems(self, stopped: PlaybookResult, view: LiveView) -> None:
+    def _report_stop_problems(self, stopped: PlaybookResult, view: LiveView, lost: list[str] = ()) -> None:
+        for host in lost:
+            if host not in stopped.ok:
+                view.message(
+                    f"{host} was not stopped: it is lost. If it comes back with its trainer still running, "
+                    f"the next launch of run {self.plan.run_name} there refuses to start and names it"
+                )
         for problem in self.stop_problems(stopped):
             view.message(
                 f"[red]could not confirm the stop on {problem}[/red]: its trainer may still be running; "
                 f"stop it with `trainer launch -i INVENTORY --run-name {self.plan.run_name} --stop` once it "
                 "answers"
             )
-
-    def _report(self, monitor: JobMonitor, outcome: Outcome, stopped: PlaybookResult, view: LiveView) -> None:
-        topo = self.plan.topology
-        stopped_in = (
-            f" {time.time() - monitor.failed_at:.1f} s after the failure" if monitor.failed_at else ""
-        )
-        self._report_stop_problems(stopped, view)
-        if outcome.kind == "gpu_fault":
-            hs, info = monitor.gpu_fault()
-            view.message(
-                f"[red]GPU_FAULT[/red] on {hs.host} (node {hs.node_rank}, hostname {info['host']}): GPU "
-                f"{info['gpu']} (uuid {info['uuid']}) of rank {info['rank']} tripped the health check, "
-                f"{info['metric']}={info['value']}. Take the node out or fix its GPU before relaunching; "
-                f"the trainer was stopped on every host{stopped_in}."
-            )
-            self._last_lines(hs.host, monitor, view)
-        elif outcome.kind in ("failed", "unreachable"):
-            first = monitor.hosts[outcome.hosts[0]]
-            ranks = topo.node(first.host).global_ranks(topo.gpus_per_node)
-            # The rank: from its error file (torch's @record), else torchrun's text summary.
-            cause = root_cause(monitor)
-            named = cause.rank if cause is not None and cause.host == first.host else first.failed_rank
-            rank = named if named is not None else ranks.start
-            rank_text = (
-                f"rank {rank}"
-                if named is not None or len(ranks) == 1
-                else (f"ranks {ranks.start}-{ranks.stop - 1}")
-            )
-            view.message(
-                f"[red]failed[/red]: first failure on host {first.host} (node {first.node_rank}, "
-                f"{rank_text}): {describe(first)}; the trainer was stopped on every host{stopped_in}."
-            )
-            if cause is not None:
-                view.log(f"root cause: {cause.describe()}")
-            others = [f"{hs.host}: {hs.state}" for hs in monitor.ordered if hs is not first]
-            if others:
-                view.message("other hosts: " + ", ".join(others))
-            self._last_lines(first.host, monitor, view)
-        elif outcome.kind == "stall":
-            self._report_stall(monitor, stopped, view)
-        else:
-            view.message("[red]trainer launch: watching the trainer failed[/red]")
-
-    def _report_stall(self, monitor: JobMonitor, stopped: PlaybookResult, view: LiveView) -> None:
-        stall = monitor.stall
-        assert stall is not None
-        timeout = self.options.stall_timeout_s
-        if not self.plan.runs_bundled_trainer:
-            view.message(
-                f"[red]stalled[/red]: {stall.summary} (--stall-timeout {timeout:g}); every node was stopped. "
-                "Each node's last lines:"
-            )
-            for host, _, _ in stall.behind:
-                self._last_lines(host, monitor, view, count=10)
-            return
-        stacks: dict[str, dict[str, str]] = {}
-        for host, items in stopped.ok.items():
-            for item in items:
-                if item.task == STOP_TASK:
-                    stacks[host] = item.result.get("stacks") or {}
-        behind = stall.behind
-        if behind:
-            names = ", ".join(
-                f"rank {rank} on {host} (node {monitor.hosts[host].node_rank}) "
-                + (f"in step {step}" if step is not None else "with no step reported")
-                for host, rank, step in behind
-            )
-            view.message(
-                f"[red]stalled[/red]: {stall.summary} (--stall-timeout {timeout:g}); behind: {names}; "
-                "every node was stopped."
-            )
-        else:
-            view.message(
-                f"[red]stalled[/red]: {stall.summary} (--stall-timeout {timeout:g}); none was behind the "
-                "others (a collective that never completes); every node was stopped."
-            )
-        shown = behind or [(host, None, None) for host in monitor.hosts]
-        for host in dict.fromkeys(host for host, _, _ in shown):
-            self._last_lines(host, monitor, view, count=10)
-        for host, rank, _ in shown:
-            for stack_rank, text in sorted(stacks.get(host, {}).items()):
-                if rank is None or str(rank) == stack_rank:
-                    view.message(f"stack of rank {stack_rank} on {host}:")
-                    for line in text.splitlines()[:60]:
-                        view.log(f"  {line}")
-        if not any(stacks.values()):
-            view.message("(no stacks: the ranks had ended, or could not be asked)")
-
-    def _last_lines(self, host: str, monitor: JobMonitor, view: LiveView, count: int = 20) -> None:
-        lines = list(monitor.hosts[host].lines)[-count:]
-        view.message(f"last log lines of {host}:" if lines else f"{host} logged nothing")
-        for line in lines:
-            view.log(f"  {line}")
-
-    # --- the whole launch, with restarts -------------------------------------------------------
-
-    def launch(
-        self,
-        view: LiveView,
-        max_restarts: int = 0,
-        exclude_failed: bool = False,
-        replan: Callable[[set[str], list[str]], JobPlan] | None = None,
-        *,
-        force: bool = False,
-    ) -> int:
-        """Attempts until one succeeds, is interrupted, or no restart is left; the exit code. The run's
-        lock is taken by the first attempt (or here, with `force`), and released on every way out."""
-        self.max_restarts, self.exclude_failed = max_restarts, exclude_failed
-        try:
-            if force and (code := self.take_over_lock(view)) is not None:
-                return code
-            return self._launch(view, max_restarts, exclude_failed, replan)
-        except KeyboardInterrupt:
-            # Between two attempts (each stops its nodes itself): nothing of this run is running.
-            view.message(f"interrupted between two attempts: nothing of run {self.plan.run_name} runs")
-            return INTERRUPTED
-        finally:
-            self.release_lock(view)
 
     # --- the run's lock (runlock.py) -------------------------------------------------------------
 
@@ -825,131 +768,6 @@ class Launcher:
             },
             self.env,
         )
-
-    def restart_after(self, view: LiveView, outcome: Outcome, max_restarts: int, restarts: int) -> int:
-        """`trainer attach`: go on from a failed attempt it followed as the launcher would have, with
-        the launch's --max-restarts and the restarts it had used (no --exclude-failed: no replan)."""
-        return self._launch(view, max_restarts, False, None, first=outcome, restarts=restarts)
-
-    def _launch(
-        self,
-        view: LiveView,
-        max_restarts: int,
-        exclude_failed: bool,
-        replan: Callable[[set[str], list[str]], JobPlan] | None,
-        *,
-        first: Outcome | None = None,
-        restarts: int = 0,
-    ) -> int:
-        """The attempts; with `first`, the outcome of an attempt already made (`trainer attach`'s)
-        after `restarts` restarts of the launch."""
-        failures: Counter[str] = Counter()
-        excluded: set[str] = set()
-        record: dict[str, Any] = {
-            "event": "launch",
-            "nodes": {n.host: n.node_rank for n in self.plan.topology.nodes},
-        }
-        while True:
-            outcome, first = first, None
-            if outcome is None:
-                self.restarts = restarts
-                self.final_attempt = restarts >= max_restarts
-                outcome = self.attempt(view, record)
-            if outcome.code in (exitcodes.OK, INTERRUPTED):
-                return outcome.code
-            for host in outcome.hosts:
-                failures[host] += 1
-            if not max_restarts:
-                return outcome.code
-            if not outcome.restartable:
-                view.message(f"not restarted: {outcome.reason} (a restart would fail the same way)")
-                return outcome.code
-            if restarts >= max_restarts:
-                view.message(f"not restarted: all {max_restarts} restart(s) used (--max-restarts)")
-                return outcome.code
-            restarts += 1
-            changes = ""
-            if exclude_failed and replan is not None:
-                for host in [h for h in outcome.hosts if failures[h] >= 2 and h not in excluded]:
-                    changes = self._exclude(host, excluded, replan, view) or changes
-            self.new_launch()
-            resume = (
-                f"from the latest checkpoint ({outcome.latest_checkpoint})"
-                if self.plan.runs_bundled_trainer and outcome.latest_checkpoint
-                else "from the start (no checkpoint yet)"
-                if self.plan.runs_bundled_trainer
-                else "(your command resumes if it reads its own checkpoints)"
-            )
-            view.message(
-                f"[yellow]restart {restarts} of {max_restarts}[/yellow]: {outcome.reason}; relaunching "
-                f"{resume}" + (f"; {changes}" if changes else "")
-            )
-            record = {
-                "event": "restart",
-                "restart": restarts,
-                "max_restarts": max_restarts,
-                "reason": outcome.reason,
-                "failed_hosts": outcome.hosts,
-                "resume_from": outcome.latest_checkpoint,
-                "changes": changes,
-                "nodes": {n.host: n.node_rank for n in self.plan.topology.nodes},
-            }
-
-    def _exclude(
-        self, host: str, excluded: set[str], replan: Callable[[set[str], list[str]], JobPlan], view: LiveView
-    ) -> str:
-        """Leave `host` out of the next attempt if the job still works without it; what changed."""
-        plan, topo = self.plan, self.plan.topology
-        if host == topo.head.host:
-            view.message(f"{host} failed twice but is the head (rank 0, master, NFS): it stays in")
-            return ""
-        if plan.runs_bundled_trainer and plan.engine == "deepspeed":
-            view.message(
-                f"{host} failed twice but stays in: DeepSpeed ZeRO checkpoints are written for "
-                f"{topo.world_size} processes and a smaller world cannot resume them"
-            )
-            return ""
-        overrides: list[str] = []
-        new_world = topo.world_size - topo.gpus_per_node
-        if plan.runs_bundled_trainer:
-            effective, micro = plan.effective_batch_size, plan.micro_batch_size
-            if effective % (micro * new_world):
-                view.message(
-                    f"{host} failed twice but stays in: the effective batch {effective} = micro batch "
-                    f"{micro} "
-                    f"× world {topo.world_size} × accumulation {plan.gradient_accumulation_steps} does not "
-                    f"divide over a world of {new_world}"
-                )
-                return ""
-            overrides.append(f"train.gradient_accumulation_steps={effective // (micro * new_world)}")
-        try:
-            new_plan = replan(excluded | {host}, overrides)
-        except (InventoryError, TopologyError, PlanError) as err:
-            view.message(f"{host} failed twice but stays in: without it the plan fails: {err}")
-            return ""
-        excluded.add(host)
-        old_ranks = {n.host: n.node_rank for n in topo.nodes}
-        moved = [
-            f"{n.host} is now node {n.node_rank}"
-            for n in new_plan.topology.nodes
-            if old_ranks[n.host] != n.node_rank
-        ]
-        change = (
-            f"{host} left out after failing twice: {topo.nnodes} → {new_plan.topology.nnodes} nodes, "
-            "world size "
-            f"{topo.world_size} → {new_plan.topology.world_size}"
-        )
-        if plan.runs_bundled_trainer:
-            change += (
-                f", gradient accumulation {plan.gradient_accumulation_steps} → "
-                f"{new_plan.gradient_accumulation_steps} (effective batch {new_plan.effective_batch_size} "
-                "unchanged)"
-            )
-        if moved:
-            change += "; " + ", ".join(moved)
-        self.plan = new_plan
-        self.become = {h: b for h, b in self.become.items() if h != host}
-        return change
 
 
 def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1021,8 +839,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="K",
-        help="after a node fails (exit code, lost node, GPU fault, stall), stop every node and start "
-        "again, up to K times; the bundled trainer resumes from the latest checkpoint (default: 0)",
+        help="after a failure (a rank's exit, a lost node, a GPU fault, a stall), stop every node and start "
+        "again, up to K times; the bundled trainer resumes from the latest complete checkpoint. Bad input "
+        "(exit 2 config, 3 data sizing, 74 disk full) is never restarted (default: 0)",
     )
     parser.add_argument(
         "--force",
@@ -1033,8 +852,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exclude-failed",
         action="store_true",
-        help="with --max-restarts: leave out a node that failed twice, when the other nodes still divide "
-        "the effective batch (gradient accumulation is raised to keep it)",
+        help="with --max-restarts: leave out a lost node at once (it stopped answering while its peers "
+        "failed, or at its probe; this uses no restart) and a node that caused two failures, and go on "
+        "on the others from the latest checkpoint, the effective batch kept (gradient accumulation raised)",
+    )
+    parser.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="with --exclude-failed: when the remaining processes cannot divide the effective batch, go on "
+        "with the nearest one instead of stopping",
     )
 
 
@@ -1079,6 +905,9 @@ def run(args: argparse.Namespace) -> int:
     if args.exclude_failed and not args.max_restarts:
         print("trainer launch: --exclude-failed needs --max-restarts K (K >= 1)", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    if args.allow_batch_change and not args.exclude_failed:
+        print("trainer launch: --allow-batch-change needs --exclude-failed", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
     early: PrestartedRun | None = None
     try:
         try:
@@ -1096,9 +925,16 @@ def run(args: argparse.Namespace) -> int:
         if args.stop:
             return stop_every_node(launcher, view)
         install_signal_handlers(view)
-        return launcher.launch(
-            view, args.max_restarts, args.exclude_failed, replanner(args, cluster), force=args.force
+        policy = RestartPolicy(
+            launcher,
+            view,
+            max_restarts=args.max_restarts,
+            exclude_failed=args.exclude_failed,
+            allow_batch_change=args.allow_batch_change,
+            replan=replanner(args, cluster),
+            inventory=str(args.inventory),
         )
+        return policy.run(force=args.force)
     finally:
         if early is not None:
             early.cancel()  # unused (an error, an interrupt): its ansible-playbook waits for nothing

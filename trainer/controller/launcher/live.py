@@ -4,9 +4,10 @@
 through the runner's channel: state, exit record, new log lines, each rank's progress) and missed
 polls into per-host states, keeps each host's last log lines for the failure report, and decides
 when the job has failed: a node's trainer failed, a node did not answer for longer than the
-unreachable grace, or no rank made progress for the stall timeout. `root_cause` names the rank
-whose exception ended the job from the ranks' error files (torch's @record under torchrun's
---log-dir); torchrun's text summary (TORCHRUN_ROOT_RANK) is the fallback when there are none.
+unreachable grace, or no rank made progress for the stall timeout. A node that stops answering
+while its peers' collectives fail is lost at once, without waiting for the grace; a failure that
+only says a peer went away waits a moment (CONFIRM_S) for the event that caused it to arrive. Which
+event was the cause is failure.py's to decide.
 `LiveView` draws it: on a terminal a live table under the scrolling log; elsewhere (CI, pipes) one
 line per state change.
 """
@@ -26,6 +27,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from trainer.peer_loss import is_peer_loss
+
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)")
 GPU_FAULT_LINE = re.compile(
     r"GPU_FAULT host=(?P<host>\S+) rank=(?P<rank>\S+) gpu=(?P<gpu>\S+) uuid=(?P<uuid>\S+) "
@@ -33,18 +36,16 @@ GPU_FAULT_LINE = re.compile(
 )
 #: torchrun's failure summary: "rank      : 1 (local_rank: 0)".
 TORCHRUN_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
-#: Log text of a rank that failed because a peer went away (a consequence, not the cause).
-PEER_LOST = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
-    r"Socket Timeout|Connection refused|DistNetworkError|failed to recv|RendezvousClosedError",
-    re.IGNORECASE,
-)
 #: torchrun's failure summary for a worker killed by a signal: "exitcode  : -9 (pid: 123)".
-TORCHRUN_SIGNALED = re.compile(r"^\s*exitcode\s*:\s*-\d+")
+TORCHRUN_SIGNALED = re.compile(r"^\s*exitcode\s*:\s*-(\d+)")
 LAST_LINES = 40
+#: A failure that only says a peer went away (a broken collective) is a consequence: the launcher waits
+#: up to this long for its cause (a node's missed poll, a peer's own exit) before it stops every node.
+#: A healthy node answers a poll within --poll-interval; a vanished one fails its poll about as fast.
+CONFIRM_S = 4.0
 
-FINAL_STATES = ("done", "failed", "stopped", "unreachable")
-STATE_STYLES = {"failed": "red", "unreachable": "red", "done": "green", "stopped": "yellow"}
+FINAL_STATES = ("done", "failed", "stopped", "lost")
+STATE_STYLES = {"failed": "red", "lost": "red", "done": "green", "stopped": "yellow"}
 #: C0 controls but tab, DEL and C1 controls (a lone 0x9b is a CSI on some terminals): shown as \xNN.
 _CONTROLS = {code: f"\\x{code:02x}" for code in [*range(0x09), *range(0x0A, 0x20), *range(0x7F, 0xA0)]}
 
@@ -76,10 +77,27 @@ class HostState:
     last_output_at: float | None = None
     #: The error files of its ranks (torchrun's --log-dir; node_ctl.rank_errors), once it has ended.
     errors: list[dict[str, Any]] = field(default_factory=list)
+    #: Each rank's own exit record (trainer.node.exit_record; node_ctl.rank_exits), once it has ended.
+    rank_exits: list[dict[str, Any]] = field(default_factory=list)
+    #: Since when a lost host has not answered (state "lost").
+    lost_since: float | None = None
+    #: The signal that killed the rank torchrun names first (its summary's `exitcode : -9`), if any.
+    killed_by: int | None = None
 
     @property
     def failed(self) -> bool:
-        return self.state in ("failed", "unreachable")
+        return self.state in ("failed", "lost")
+
+    @property
+    def only_consequence(self) -> bool:
+        """A failed host whose every rank says a peer went away: its failure follows another's."""
+        if self.state != "failed":
+            return False
+        if self.rank_exits:
+            return all(
+                r.get("consequence") or is_peer_loss(str(r.get("message") or "")) for r in self.rank_exits
+            )
+        return "peer_lost" in self.all_text_flags and "signaled" not in self.all_text_flags
 
     @property
     def final(self) -> bool:
@@ -93,10 +111,11 @@ class HostState:
             # The first rank torchrun names is its "Root Cause (first observed failure)".
             if (match := TORCHRUN_ROOT_RANK.match(line)) and self.failed_rank is None:
                 self.failed_rank = int(match.group(1))
-            if PEER_LOST.search(line):
+            if is_peer_loss(line):
                 self.all_text_flags.add("peer_lost")
-            if TORCHRUN_SIGNALED.match(line):
+            if (signaled := TORCHRUN_SIGNALED.match(line)) and self.killed_by is None:
                 self.all_text_flags.add("signaled")
+                self.killed_by = int(signaled.group(1))
 
 
 class LiveView:
@@ -173,33 +192,14 @@ class LiveView:
 def describe(hs: HostState) -> str:
     if hs.missing_since is not None and not hs.final:
         return f"unreachable ({time.time() - hs.missing_since:.0f}s)"
+    if hs.state == "lost":
+        since = time.strftime("%H:%M:%S", time.localtime(hs.lost_since)) if hs.lost_since else "?"
+        return f"lost (no answer since {since})"
     if hs.state == "running" and hs.detail:
         return f"running {hs.detail}"
     if hs.state == "failed":
         return f"failed ({hs.detail})" if hs.detail else "failed"
-    if hs.state == "unreachable":
-        return f"unreachable ({hs.detail})"
     return hs.state
-
-
-@dataclass(frozen=True)
-class RootCause:
-    """The rank whose exception ended the job, from the ranks' error files (torchrun's --log-dir)."""
-
-    host: str
-    node_rank: int
-    rank: int
-    message: str
-    """`ExceptionType: message`, as torch's @record writes it."""
-    last_frame: str
-    """The traceback's last frame (`File "...", line N, in f` and its code line), or ''."""
-    file: str
-
-    def describe(self) -> str:
-        text = f"rank {self.rank} on {self.host} (node {self.node_rank}) raised {printable(self.message)}"
-        if self.last_frame:
-            text += f"; last frame: {printable(self.last_frame)}"
-        return text + f" (traceback in {self.file})"
 
 
 def last_frame(traceback_text: str) -> str:
@@ -214,36 +214,6 @@ def last_frame(traceback_text: str) -> str:
                 frame += f": {following.strip()}"
             return frame
     return ""
-
-
-def root_cause(monitor: JobMonitor) -> RootCause | None:
-    """From every host's error files: the first exception that was not a consequence of a peer going
-    away (a rank that lost its peers raises too, a moment later), earliest first; ties go to the
-    host that failed first (JobMonitor.first_failure), then the lowest rank. None without error
-    files (the rank was killed, or exited with a code: the launcher names it from its exit code and
-    torchrun's summary)."""
-    first = monitor.first_failure()
-    candidates = []
-    for hs in monitor.hosts.values():
-        ranks = monitor.ranks.get(hs.host)
-        for error in hs.errors:
-            local = int(error.get("local_rank", 0))
-            rank = ranks[local] if ranks is not None and local < len(ranks) else local
-            message = str(error.get("message") or "")
-            consequence = bool(PEER_LOST.search(message))
-            key = (consequence, float(error.get("timestamp") or 0), hs is not first, rank)
-            candidates.append((key, hs, rank, error, message))
-    if not candidates:
-        return None
-    _, hs, rank, error, message = min(candidates, key=lambda item: item[0])
-    return RootCause(
-        hs.host,
-        hs.node_rank,
-        rank,
-        message,
-        last_frame(str(error.get("traceback") or "")),
-        str(error.get("file") or ""),
-    )
 
 
 @dataclass(frozen=True)
@@ -284,9 +254,12 @@ class JobMonitor:
         self.progress_from_steps = progress_from_steps
         self.ranks = ranks or {}
         self.step = ""
+        #: The last step rank 0 logged (`step N/M`).
+        self.last_step: int | None = None
         self.first_step_at: float | None = None
         self.failed_at: float | None = None
         self.stall: Stall | None = None
+        self.stalled_at: float | None = None
         self.last_progress_at = time.monotonic()
         self._progress_key: tuple = ()
         # The bundled trainer's watchdog starts with its first rank's progress record (written once
@@ -316,13 +289,22 @@ class JobMonitor:
         self.view.states(self.ordered)
 
     def on_unreachable(self, host: str, message: str) -> None:
-        """Ansible could not reach `host` at all (a start step)."""
+        """Ansible could not reach `host` at all (a start or stop step, attach's watch): it is lost."""
         hs = self.hosts.get(host)
         if hs is not None and not hs.final:
             first_line = message.strip().splitlines()[0][:200] if message.strip() else ""
-            hs.state, hs.detail = "unreachable", printable(first_line)
-            self._note_failure()
+            hs.miss_error = hs.miss_error or printable(first_line)
+            self.mark_lost(hs)
             self.view.states(self.ordered)
+
+    def mark_lost(self, hs: HostState) -> None:
+        """`hs` is gone: it stopped answering while its peers failed, or for longer than the grace."""
+        if hs.state == "lost":
+            return
+        hs.lost_since = hs.missing_since or hs.lost_since or time.time()
+        hs.state, hs.detail = "lost", hs.miss_error
+        hs.exit_time = hs.exit_time or hs.lost_since
+        self._note_failure()
 
     def apply(self, hs: HostState, report: dict[str, Any]) -> None:
         """Take one node_ctl.py report (status or stop) into the host's state."""
@@ -336,6 +318,8 @@ class JobMonitor:
             hs.progress[int(record.get("rank", 0))] = record
         if report.get("errors"):
             hs.errors = list(report["errors"])
+        if report.get("rank_exits"):
+            hs.rank_exits = list(report["rank_exits"])
         if self.progress_from_steps:
             key = tuple(
                 (h.host, rank, r.get("started"), r.get("done"))
@@ -351,6 +335,7 @@ class JobMonitor:
                 self.view.log(line)
                 if match := STEP_LINE.match(line):
                     self.step = f"step {match.group(1)}/{match.group(2)}"
+                    self.last_step = int(match.group(1))
                     if self.first_step_at is None:
                         self.first_step_at = time.time()
         if hs.final and hs.state != "stopped":
@@ -390,10 +375,8 @@ class JobMonitor:
                 and not hs.final
                 and now - hs.missing_since > self.unreachable_grace_s
             ):
-                hs.state = "unreachable"
-                hs.detail = f"no answer for {now - hs.missing_since:.0f} s: {hs.miss_error}".rstrip(": ")
-                hs.exit_time = hs.missing_since
-                self._note_failure()
+                hs.miss_error = f"no answer for {now - hs.missing_since:.0f} s: {hs.miss_error}".rstrip(": ")
+                self.mark_lost(hs)
         silent = time.monotonic() - self.last_progress_at
         if (
             self.stall_timeout_s
@@ -404,6 +387,7 @@ class JobMonitor:
             and not all(hs.final for hs in self.hosts.values())
         ):
             self.stall = self._stall(silent)
+            self.stalled_at = now
             self._note_failure()
 
     def tick(self) -> None:
@@ -458,7 +442,18 @@ class JobMonitor:
 
     @property
     def must_stop(self) -> bool:
-        return self.failed or self.stall is not None
+        """Stop every node now: a stall; a failure that is a cause (not only a broken collective); or
+        one that is, once its cause showed (a node that does not answer) or CONFIRM_S passed."""
+        if self.stall is not None:
+            return True
+        failed = [hs for hs in self.hosts.values() if hs.failed]
+        if not failed:
+            return False
+        if any(not hs.only_consequence for hs in failed):
+            return True
+        missing = any(hs.missing_since is not None for hs in self.hosts.values() if not hs.final)
+        waiting = [hs for hs in self.hosts.values() if not hs.final]
+        return missing or not waiting or time.time() - (self.failed_at or 0.0) >= CONFIRM_S
 
     @property
     def all_done(self) -> bool:
@@ -469,19 +464,3 @@ class JobMonitor:
             if hs.gpu_fault:
                 return hs, hs.gpu_fault
         return None
-
-    def first_failure(self) -> HostState | None:
-        """The host whose failure came first; a rank that only lost its peers comes after any other."""
-        failed = [hs for hs in self.hosts.values() if hs.failed]
-        if not failed:
-            return None
-        return min(
-            failed,
-            key=lambda hs: (
-                hs.state != "unreachable"
-                and "peer_lost" in hs.all_text_flags
-                and "signaled" not in hs.all_text_flags,
-                hs.exit_time or float("inf"),
-                hs.node_rank,
-            ),
-        )

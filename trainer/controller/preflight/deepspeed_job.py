@@ -37,6 +37,7 @@ from trainer.controller.launcher.launch import INTERRUPTED, Launcher, WatchOptio
 from trainer.controller.launcher.live import STEP_LINE, HostState, JobMonitor, LiveView
 from trainer.controller.launcher.live import Stall as LauncherStall
 from trainer.controller.launcher.plan import JobPlan, PlanError, make_plan
+from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.preflight.report import FAIL, PASS, Result
 
@@ -378,7 +379,7 @@ def run_check(
     launcher = _PhaseLauncher(plan, phases, say)
     code = None
     try:
-        code = launcher.launch(view)
+        code = RestartPolicy(launcher, view).run()
     finally:
         if code != 0 and cleanup is not None:
             # A job stopped while DeepSpeed held its build lock leaves it behind: remove those.

@@ -170,6 +170,19 @@ def progress(node_dir: Path) -> list[dict]:
     return sorted(found, key=lambda r: int(r.get("rank", 0)))
 
 
+def rank_exits(node_dir: Path) -> list[dict]:
+    """Each rank's own exit record (trainer.node.exit_record: its code, one-line reason, whether that
+    is a consequence of a peer's failure, the time), by rank: torchrun's own exit code is 1 whatever
+    its workers' were."""
+    found = []
+    for path in sorted((node_dir / "progress").glob("exit-*.json")):
+        record = _read_json(path)
+        if isinstance(record, dict) and isinstance(record.get("rank"), int):
+            record["message"] = str(record.get("message") or "")[:500]
+            found.append(record)
+    return sorted(found, key=lambda r: int(r["rank"]))
+
+
 def _state(node_dir: Path) -> tuple[str, int | None, dict | None]:
     pid = _pid(node_dir)
     exit_record = _read_json(node_dir / "exit")
@@ -247,6 +260,7 @@ def status(node_dir: Path, offset: int | None = None, tail: int = 0, wait: float
         "time": time.time(),
         # Read once the trainer has ended (a poll of a running one needs none of it).
         "errors": rank_errors(node_dir) if state in ("exited", "vanished") else [],
+        "rank_exits": rank_exits(node_dir) if state in ("exited", "vanished") else [],
         # The run's lock (on the head): for `trainer status`, not for every poll of a watch.
         "lock": _read_json(node_dir.parent / "lock") if offset is None else None,
     }

@@ -1,0 +1,317 @@
+"""The restart policy of a launch (--max-restarts, --exclude-failed, --allow-batch-change), above the
+Launcher, which runs one attempt (probe, start, follow, stop) and says how it ended (launch.Outcome,
+with failure.Diagnosis: the cause and its consequences).
+
+After a failed attempt, in this order:
+1. bad input is never restarted: the bundled trainer's exit 2 (config), 3 (data sizing) and 74 (disk
+   full) would fail the same way again;
+2. the head lost (rank 0, the master, the NFS server of the shared dir) cannot be survived: said
+   plainly, with what to run once it is back;
+3. a lost node (it stopped answering while its peers failed, or past the unreachable grace, or its
+   probe failed at a restart) is left out at once with --exclude-failed; so is a node that was the
+   cause twice. The job starts again on the survivors from the latest complete checkpoint, with the
+   effective batch kept: gradient accumulation raised (and the micro batch lowered where needed,
+   never above the user's) so that micro × world × accumulation stays the same; where the survivors
+   cannot divide it, --allow-batch-change accepts the nearest batch, else the run stops saying so;
+4. a probe failure at a restart is a node loss to leave out, not a failure that uses up a restart;
+5. otherwise a restart is used, up to K.
+Every restart is a line on the screen and a record in `<run>/launch/history.jsonl`, naming the cause,
+what changed and the checkpoint it resumes from. A node left out is used again at the next
+`trainer launch` of the run (the plan is made from the inventory each time).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rich.markup import escape
+
+from trainer import exitcodes
+from trainer.controller.inventory import InventoryError
+from trainer.controller.launcher.plan import JobPlan, PlanError
+from trainer.controller.launcher.topology import TopologyError
+
+if TYPE_CHECKING:
+    from trainer.controller.launcher.launch import Launcher, Outcome
+    from trainer.controller.launcher.live import LiveView
+
+#: make_plan again without some hosts and with more --set (launch.replanner).
+Replan = Callable[[set[str], list[str]], JobPlan]
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How a world of `world` processes trains the same effective batch."""
+
+    micro_batch_size: int
+    accumulation: int
+    world: int
+
+    @property
+    def effective(self) -> int:
+        return self.micro_batch_size * self.accumulation * self.world
+
+
+def keep_batch(effective: int, micro_batch_size: int, world: int) -> BatchSplit | None:
+    """The split of `effective` over `world` processes with the fewest accumulation steps whose micro
+    batch is at most `micro_batch_size` (more would need more memory than the user's run had);
+    None when `world` does not divide it."""
+    for accumulation in range(1, effective + 1):
+        per_step = world * accumulation
+        if effective % per_step == 0 and effective // per_step <= micro_batch_size:
+            return BatchSplit(effective // per_step, accumulation, world)
+    return None
+
+
+def nearest_batch(effective: int, micro_batch_size: int, world: int) -> BatchSplit:
+    """--allow-batch-change: the user's micro batch, the accumulation that comes closest to `effective`."""
+    accumulation = max(1, round(effective / (micro_batch_size * world)))
+    return BatchSplit(micro_batch_size, accumulation, world)
+
+
+class RestartPolicy:
+    def __init__(
+        self,
+        launcher: Launcher,
+        view: LiveView,
+        *,
+        max_restarts: int = 0,
+        exclude_failed: bool = False,
+        allow_batch_change: bool = False,
+        replan: Replan | None = None,
+        restarts_used: int = 0,
+        inventory: str = "INVENTORY",
+    ) -> None:
+        self.launcher = launcher
+        self.view = view
+        self.max_restarts = max_restarts
+        self.exclude_failed = exclude_failed and replan is not None
+        self.allow_batch_change = allow_batch_change
+        self.replan = replan
+        self.restarts = restarts_used
+        self.inventory = inventory
+        self.excluded: set[str] = set()
+        self.caused: Counter[str] = Counter()
+        #: The latest complete checkpoint the head reported (kept across attempts whose stop could not
+        #: ask it, such as a probe that failed).
+        self.latest_checkpoint = ""
+
+    def state(self) -> dict[str, Any]:
+        """What launch.json records of the policy (`trainer attach` goes on with it)."""
+        return {
+            "max_restarts": self.max_restarts,
+            "exclude_failed": self.exclude_failed,
+            "allow_batch_change": self.allow_batch_change,
+            "restarts": self.restarts,
+        }
+
+    @property
+    def plan(self) -> JobPlan:
+        return self.launcher.plan
+
+    # --- the whole launch --------------------------------------------------------------------------
+
+    def run(self, *, force: bool = False) -> int:
+        """Attempts until one succeeds, is interrupted, or no restart is left; the exit code. The run's
+        lock is taken by the first attempt (or here, with `force`) and released on every way out."""
+        launcher, view = self.launcher, self.view
+        try:
+            if force and (code := launcher.take_over_lock(view)) is not None:
+                return code
+            return self.go_on()
+        except KeyboardInterrupt:
+            # Between two attempts (each stops its nodes itself): nothing of this run is running.
+            view.message(f"interrupted between two attempts: nothing of run {self.plan.run_name} runs")
+            return exitcodes.INTERRUPTED
+        finally:
+            launcher.release_lock(view)
+
+    def go_on(self, first: Outcome | None = None) -> int:
+        """The attempts; with `first`, the outcome of one already made (`trainer attach`'s)."""
+        record: dict[str, Any] = {"event": "launch", "nodes": self._nodes()}
+        while True:
+            outcome, first = first, None
+            if outcome is None:
+                outcome = self.launcher.attempt(
+                    self.view, record, policy=self.state(), final=self.restarts >= self.max_restarts
+                )
+            self.latest_checkpoint = outcome.latest_checkpoint or self.latest_checkpoint
+            if outcome.code in (exitcodes.OK, exitcodes.INTERRUPTED) or outcome.kind == "locked":
+                return outcome.code
+            step = self._next_step(outcome)
+            if step is None:
+                return outcome.code
+            record = step
+
+    def _next_step(self, outcome: Outcome) -> dict[str, Any] | None:
+        """Decide on a failed attempt: the next attempt's history record, or None to stop here."""
+        view, plan = self.view, self.plan
+        head = plan.topology.head.host
+        diagnosis = outcome.diagnosis
+        if head in outcome.lost:
+            view.message(
+                f"[red]not restarted[/red]: the head {head} (rank 0, the master and the server of the shared "
+                f"dir) was lost; the run cannot go on without it. Once {head} is back, run "
+                f"`trainer launch -i {self.inventory} --run-name {plan.run_name}` with this launch's "
+                f"options: it resumes from the latest complete checkpoint{self._checkpoint_text()}."
+            )
+            return None
+        if not outcome.restartable:
+            if self.max_restarts:
+                view.message(f"not restarted: {escape(outcome.reason)} (a restart would fail the same way)")
+            return None
+        if diagnosis is not None:
+            self.caused[diagnosis.cause.host] += 1
+        lost = [h for h in outcome.lost if h != head]
+        repeat = [h for h, n in self.caused.items() if n >= 2 and h != head and h in self._hosts()]
+        leave_out = sorted(set(lost) | set(repeat) if self.exclude_failed else set(), key=self._hosts().index)
+        if lost and not self.exclude_failed:
+            if self.replan is None and self.max_restarts:
+                how = "trainer attach cannot leave a node out (it has not the launch's config): relaunch"
+            else:
+                how = "relaunch with --max-restarts K --exclude-failed"
+            view.message(
+                f"not restarted: {', '.join(lost)} was lost; {how} to go on without it from the latest "
+                f"checkpoint{self._checkpoint_text()}, or relaunch once it answers again"
+            )
+            return None
+        if not self.max_restarts:
+            return None
+        # A probe that failed at a restart is a node loss to leave out, not a failure of the job.
+        free = outcome.kind == "start_failed" and bool(lost) and set(lost) <= set(leave_out)
+        if not free and self.restarts >= self.max_restarts:
+            view.message(f"not restarted: all {self.max_restarts} restart(s) used (--max-restarts)")
+            return None
+        changes, batch = "", ""
+        if leave_out:
+            changed = self._leave_out(leave_out, lost)
+            if changed is None:
+                return None
+            changes, batch = changed
+        if not free:
+            self.restarts += 1
+        self.launcher.new_launch()
+        view.message(self._restart_line(outcome, lost, batch, free))
+        if changes:
+            view.log(f"  {changes}")
+        return {
+            "event": "restart",
+            "restart": self.restarts,
+            "max_restarts": self.max_restarts,
+            "reason": outcome.reason,
+            "cause": diagnosis.as_record() if diagnosis is not None else None,
+            "failed_hosts": outcome.hosts,
+            "lost": lost,
+            "excluded": sorted(self.excluded),
+            "resume_from": self.latest_checkpoint,
+            "changes": changes,
+            "restart_used": not free,
+            "nodes": self._nodes(),
+        }
+
+    # --- leaving nodes out ---------------------------------------------------------------------------
+
+    def _leave_out(self, hosts: list[str], lost: list[str]) -> tuple[str, str] | None:
+        """A new plan without `hosts`, the effective batch kept (or changed where allowed); what changed
+        (nodes and world, then the batch), or None (said why) when the job cannot go on without them."""
+        plan, topo, view = self.plan, self.plan.topology, self.view
+        assert self.replan is not None
+        new_world = topo.world_size - len(hosts) * topo.gpus_per_node
+        names = ", ".join(hosts)
+        overrides: list[str] = []
+        batch_text = ""
+        if plan.runs_bundled_trainer:
+            effective, micro = plan.effective_batch_size, plan.micro_batch_size
+            split = keep_batch(effective, micro, new_world)
+            if split is None and not self.allow_batch_change:
+                nearest = nearest_batch(effective, micro, new_world)
+                view.message(
+                    f"[red]not restarted[/red]: without {names} the effective batch {effective} (micro batch "
+                    f"{micro} × world {topo.world_size} × accumulation {plan.gradient_accumulation_steps}) "
+                    f"cannot be kept on {new_world} process(es); relaunch with --allow-batch-change to go on "
+                    f"with {nearest.effective} (accumulation {nearest.accumulation}), or once {names} is back"
+                )
+                return None
+            if split is None:
+                split = nearest_batch(effective, micro, new_world)
+            overrides = [
+                f"train.micro_batch_size={split.micro_batch_size}",
+                f"train.gradient_accumulation_steps={split.accumulation}",
+            ]
+            parts = [f"accumulation {plan.gradient_accumulation_steps} -> {split.accumulation}"]
+            if split.micro_batch_size != micro:
+                parts.insert(0, f"micro batch {micro} -> {split.micro_batch_size}")
+            if split.effective == effective:
+                parts.append(f"effective batch {effective} kept")
+            else:
+                parts.append(f"effective batch {effective} -> {split.effective} (--allow-batch-change)")
+            batch_text = ", ".join(parts)
+        try:
+            new_plan = self.replan(self.excluded | set(hosts), overrides)
+        except (InventoryError, TopologyError, PlanError) as err:
+            view.message(f"[red]not restarted[/red]: without {names} the job cannot be planned: {err}")
+            return None
+        self.excluded |= set(hosts)
+        old_ranks = {n.host: n.node_rank for n in topo.nodes}
+        moved = [
+            f"{n.host} is now node {n.node_rank}"
+            for n in new_plan.topology.nodes
+            if old_ranks[n.host] != n.node_rank
+        ]
+        self.launcher.use_plan(new_plan)
+        why = "lost" if set(hosts) <= set(lost) else "left out"
+        change = (
+            f"{names} {why}: {topo.nnodes} -> {new_plan.topology.nnodes} nodes, world size "
+            f"{topo.world_size} -> {new_plan.topology.world_size}"
+        )
+        if moved:
+            change += "; " + ", ".join(moved)
+        return change, batch_text
+
+    # --- what is said ----------------------------------------------------------------------------------
+
+    def _restart_line(self, outcome: Outcome, lost: list[str], batch: str, free: bool) -> str:
+        """`ct-worker2 lost at step 47; resuming on 2 node(s) from step-40 (accumulation 1 -> 2,
+        effective batch 48 kept) [restart 1 of 2]`."""
+        plan = self.plan
+        diagnosis = outcome.diagnosis
+        at = (
+            f" at step {diagnosis.at_step}" if diagnosis is not None and diagnosis.at_step is not None else ""
+        )
+        if lost and outcome.kind == "start_failed":
+            what = f"{', '.join(lost)} did not answer its probe"
+        elif lost:
+            what = f"{', '.join(lost)} lost{at}"
+        else:
+            what = escape(outcome.reason)
+        where = f"on {plan.topology.nnodes} node(s)"
+        if plan.runs_bundled_trainer:
+            resume = (
+                f"resuming {where} from {self._checkpoint_name()}"
+                if self.latest_checkpoint
+                else f"starting {where} from the beginning (no checkpoint was written yet)"
+            )
+        else:
+            resume = f"relaunching your command {where} (it resumes if it reads its own checkpoints)"
+        counted = (
+            "(a lost node is left out without using a restart)"
+            if free
+            else f"[restart {self.restarts} of {self.max_restarts}]"
+        )
+        details = f" ({batch})" if batch else ""
+        return f"[yellow]{what}[/yellow]; {resume}{details} {counted}"
+
+    def _checkpoint_name(self) -> str:
+        return self.latest_checkpoint.rstrip("/").rsplit("/", 1)[-1] or self.latest_checkpoint
+
+    def _checkpoint_text(self) -> str:
+        return f" ({self._checkpoint_name()})" if self.latest_checkpoint else ""
+
+    def _hosts(self) -> list[str]:
+        return [n.host for n in self.plan.topology.nodes]
+
+    def _nodes(self) -> dict[str, int]:
+        return {n.host: n.node_rank for n in self.plan.topology.nodes}
