@@ -82,6 +82,7 @@ def interleaved_worker(steps: int) -> None:
     from trainer.node.data import ShardedBatches, load_corpus
     from trainer.node.engines import create_engine
     from trainer.node.model import GPT
+    from trainer.node.order import START
 
     config = load_config(None, [f"train.micro_batch_size={MICRO_BATCH}", f"data.block_size={BLOCK}"])
     topology = distributed.discover("gloo")
@@ -104,6 +105,7 @@ def interleaved_worker(steps: int) -> None:
         world_size=topology.world_size,
         seed=1,
     )
+    batches.start(START, accumulation=1)
     torch.manual_seed(1337)
     model = DistributedDataParallel(GPT(config.model, vocab_size=len(corpus.vocab), block_size=BLOCK))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1)
@@ -111,7 +113,7 @@ def interleaved_worker(steps: int) -> None:
     trainer_time = baseline_time = 0.0
     for step in range(1, steps + 1):
         started = time.perf_counter()
-        engine.train_step(iter([batches.batch(step - 1)]))
+        engine.train_step(batches.micro_batches(step))
         engine.lr()
         middle = time.perf_counter()
         starts = torch.randint(len(corpus.ids) - BLOCK - 1, (MICRO_BATCH,))

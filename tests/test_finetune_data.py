@@ -21,6 +21,7 @@ from trainer.node.hf.batches import Collator, FinetuneBatches
 from trainer.node.hf.chat import IGNORE, assistant_labels, normalize, render
 from trainer.node.hf.job import FineTune
 from trainer.node.hf.packing import pack
+from trainer.node.order import START
 
 CHAT = {
     "id": "c1",
@@ -134,19 +135,24 @@ def test_the_loss_is_a_mean_over_every_label_token_of_the_step(tokenizer, chat_d
     world, accumulation = 2, 3
     collator = Collator(samples, rows, pad_id=0, reset_positions=True, device="cpu")
     ranks = [
-        FinetuneBatches(collator, repeats=1, micro_batch_size=2, accumulation=accumulation, rank=r,
-                        world_size=world, seed=5)
+        FinetuneBatches(collator, repeats=1, micro_batch_size=2, rank=r, world_size=world, seed=5)
         for r in range(world)
-    ]  # fmt: skip
+    ]
+    for rank in ranks:
+        rank.start(START, accumulation)
     # Each micro-batch's loss is a sum over its label tokens divided by num_items; the engines average
     # over micro-batches and ranks: together a plain mean over all label tokens of the step.
     weights = []
     for rank in ranks:
-        for position in range(accumulation):
-            _, labels, _, num_items = rank.batch(position)
+        for _, labels, _, num_items in rank.micro_batches(1):
             weights.append((labels[:, 1:] != IGNORE).sum().item() / num_items.item())
     assert sum(weights) == pytest.approx(world * accumulation)
-    seen = [row for rank in ranks for p in range(accumulation) for row in rank.rows_at(p, rank.rank)]
+    seen = [
+        int(row)
+        for rank in ranks
+        for index in range(accumulation)
+        for row in rank.micro_batch_samples(1, index, rank.rank)
+    ]
     assert len(seen) == len(set(seen)) == world * accumulation * 2  # disjoint across ranks
 
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.node.order import SAMPLE_LOG_VARIABLE
 
 BIN = Path(sys.executable).parent
 TRAINER = str(BIN / "trainer")
@@ -152,3 +156,39 @@ def assert_trained(run: Run, *, world_size: int, engine: str, max_steps: int = 2
     run_json = run.json("run.json")
     assert run_json["topology"]["world_size"] == world_size
     assert len(run_json["topology"]["ranks"]) == world_size
+
+
+def sample_log_env(directory: Path) -> dict[str, str]:
+    """The environment that makes every rank log the samples it trains into directory (the
+    TRAINER_TEST_SAMPLE_LOG hook, trainer/node/order.py)."""
+    return {SAMPLE_LOG_VARIABLE: str(directory)}
+
+
+def sample_log(directory: Path) -> list[dict]:
+    """Every micro-batch the ranks logged: {"step", "micro_batch", "rank", "world_size", "samples"}."""
+    return [
+        json.loads(line)
+        for path in sorted(directory.glob("rank-*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def samples_by_step(directory: Path) -> dict[int, list[int]]:
+    """Each step's samples, all ranks and micro-batches together, sorted (a multiset)."""
+    steps: dict[int, list[int]] = defaultdict(list)
+    for record in sample_log(directory):
+        steps[record["step"]] += record["samples"]
+    return {step: sorted(samples) for step, samples in sorted(steps.items())}
+
+
+def stopped_after(output_dir: Path, step: int, copy: Path) -> Path:
+    """A copy of a finished run's output dir as a run stopped right after checkpoint step-N would have
+    left it (killed before the next): the later checkpoints gone, `latest` naming step-N. What step-N
+    holds does not depend on whether the run went on; the resumed run drops the later metrics itself."""
+    shutil.copytree(output_dir, copy, symlinks=True)
+    checkpoints = copy / "checkpoints"
+    for later in checkpoints.glob("step-*"):
+        if int(later.name.removeprefix("step-")) > step:
+            shutil.rmtree(later)
+    (checkpoints / "latest").write_text(f"step-{step}\n")
+    return copy

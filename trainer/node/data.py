@@ -1,10 +1,10 @@
-"""Training data: text in, fixed-length character samples out, sharded across ranks deterministically.
+"""Training data: text in, fixed-length character samples out, split across ranks deterministically.
 
 A sample is `block_size + 1` consecutive characters (inputs and the next-character targets); the text
-is cut into non-overlapping samples. Every rank reads the same text and builds the same vocabulary;
-DistributedSampler with the same seed gives each rank its own disjoint share of every epoch, so the
-batch of any step is a pure function of (seed, step, rank, world size). That is what makes resume
-exact: the data position is just the number of micro-batches consumed.
+is cut into non-overlapping samples. Every rank reads the same text and builds the same vocabulary.
+Which samples a step trains is the run's sample order (trainer.node.order): a function of the samples
+consumed, not of the world size, so a resume continues sample-exact at any world size with the same
+effective batch.
 
 torch is imported inside functions: this module is loaded with the configuration on the controller.
 """
@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.configerror import ConfigError, require
+from trainer.node.order import StepBatches
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -187,12 +189,9 @@ def required_repeats(
     )
 
 
-class ShardedBatches:
-    """Micro-batches for one rank: `batch(position)` is the position-th micro-batch this rank trains on.
-
-    Each epoch is a DistributedSampler permutation (seed, epoch) of all samples × repeats, split evenly
-    across ranks (the remainder dropped so every rank runs the same number of steps).
-    """
+class ShardedBatches(StepBatches):
+    """This rank's micro-batches of each step (trainer.node.order: the run's sample order, split across
+    ranks and accumulation): (inputs, targets) tensors of micro_batch_size samples on the device."""
 
     def __init__(
         self,
@@ -207,44 +206,25 @@ class ShardedBatches:
     ):
         import torch
 
+        super().__init__(
+            num_samples=corpus.num_samples,
+            repeats=repeats,
+            micro_batch_size=micro_batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+        )
         self.corpus = corpus
-        self.length = corpus.num_samples * repeats
-        self.micro_batch_size = micro_batch_size
-        self.rank, self.world_size, self.seed = rank, world_size, seed
         self.device = torch.device(device)
-        self.batches_per_epoch = (self.length // world_size) // micro_batch_size
-        self._epoch = -1
-        self._indices: list[int] = []
         self._window = torch.arange(corpus.block_size + 1)
 
-    def _indices_for(self, epoch: int) -> list[int]:
-        from torch.utils.data import DistributedSampler
+    def step_tokens(self, step: int) -> int:
+        return self.effective_batch * self.corpus.block_size
 
-        if epoch != self._epoch:
-            sampler = DistributedSampler(
-                range(self.length),
-                num_replicas=self.world_size,
-                rank=self.rank,
-                shuffle=True,
-                seed=self.seed,
-                drop_last=True,
-            )
-            sampler.set_epoch(epoch)
-            self._epoch, self._indices = epoch, list(sampler)
-        return self._indices
-
-    def step_tokens(self, first_position: int, count: int) -> int:
-        """Tokens that all ranks train on in micro-batches [first, first + count)."""
-        return count * self.micro_batch_size * self.world_size * self.corpus.block_size
-
-    def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _collate(self, chosen: np.ndarray, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         import torch
 
-        epoch, within = divmod(position, self.batches_per_epoch)
-        chosen = self._indices_for(epoch)[
-            within * self.micro_batch_size : (within + 1) * self.micro_batch_size
-        ]
-        starts = (torch.tensor(chosen) % self.corpus.num_samples) * self.corpus.block_size
+        starts = torch.from_numpy(chosen) * self.corpus.block_size
         chunk = self.corpus.ids[starts[:, None] + self._window]
         x, y = chunk[:, :-1], chunk[:, 1:]
         if self.device.type != "cpu":

@@ -11,7 +11,7 @@ torch is imported inside functions.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,10 +21,10 @@ from trainer.configerror import ConfigError
 
 if TYPE_CHECKING:
     from trainer.node.checkpoint import CheckpointWriter
-    from trainer.node.data import ShardedBatches
     from trainer.node.distributed import Topology
-    from trainer.node.engines import Batch, Engine
+    from trainer.node.engines import Engine
     from trainer.node.metrics import Reporter
+    from trainer.node.order import Position, StepBatches
     from trainer.node.schedule import TrainConfig
 
 
@@ -54,7 +54,7 @@ class Trainer:
     """What a checkpoint must share with the config that resumes it (checkpoint.resume_fingerprint)."""
     topology: Topology
     engine: Engine
-    batches: ShardedBatches
+    batches: StepBatches
     checkpoints: CheckpointWriter
     reporter: Reporter
     resume_from: Path | None = None
@@ -70,14 +70,16 @@ class Trainer:
 
     def train(self) -> int:
         train = self.train_config
-        start = self._resume()
+        position = self._resume()
+        # Where the data continues is the checkpoint's position in the sample order, not the step.
+        self.batches.start(position, train.gradient_accumulation_steps)
+        start = position.step
         if start >= train.max_steps:
             self.reporter.info(
                 f"already trained to step {start} ({self.resume_from}): nothing to do. Raise train.max_steps "
                 "to train further, or set checkpoint.resume=never (or another output_dir) to start over"
             )
         self.reporter.start(first_step=start + 1, resumed_step=start)
-        accumulation = train.gradient_accumulation_steps
         interval_start, interval_steps, interval_step_time, interval_tokens = time.perf_counter(), 0, 0.0, 0
         loss = self.run_facts.get("resumed_loss", float("nan"))
         started = time.perf_counter()
@@ -86,11 +88,11 @@ class Trainer:
                 if self.on_step_start is not None:
                     self.on_step_start(step)
                 step_start = time.perf_counter()
-                local_loss = self.engine.train_step(self._micro_batches(step))
+                local_loss = self.engine.train_step(self.batches.micro_batches(step))
                 step_time = time.perf_counter() - step_start
                 interval_steps += 1
                 interval_step_time += step_time
-                interval_tokens += self.batches.step_tokens((step - 1) * accumulation, accumulation)
+                interval_tokens += self.batches.step_tokens(step)
                 result = StepResult(
                     step=step,
                     max_steps=train.max_steps,
@@ -160,13 +162,6 @@ class Trainer:
         code = next((c for hook in self.hooks if (c := hook(result))), exitcodes.OK)
         return max_across_ranks(code, self.topology.device)
 
-    def _micro_batches(self, step: int) -> Iterator[Batch]:
-        # The data position is a pure function of the step, so resuming at a step resumes the data.
-        accumulation = self.train_config.gradient_accumulation_steps
-        first = (step - 1) * accumulation
-        for position in range(first, first + accumulation):
-            yield self.batches.batch(position)
-
     def _global_loss(self, local_loss: float) -> float:
         from trainer.node.distributed import mean_across_ranks
 
@@ -189,10 +184,12 @@ class Trainer:
         times = [t / c if c else float("nan") for t, c in zip(totals[1 : 1 + nodes], counts, strict=True)]
         return totals[0] / dist.get_world_size(), times
 
-    def _resume(self) -> int:
+    def _resume(self) -> Position:
+        from trainer.node.order import START
+
         if self.resume_from is None:
-            return 0
-        from trainer.node.checkpoint import load_rng_state, read_state, rng_file, set_rng_state
+            return START
+        from trainer.node.checkpoint import read_state
 
         state = read_state(self.resume_from)
         try:
@@ -209,27 +206,104 @@ class Trainer:
                 "the model changed since it was written; start a new run: another output_dir (or run "
                 "name), or checkpoint.resume=never",
             ) from None
+        step = int(state["step"])
+        self._restore_rng(step)
+        position = self._data_position(state, step)
+        self.run_facts["resumed_loss"] = state.get("loss", float("nan"))
+        self.reporter.info(f"resumed from {self.resume_from} at step {step}")
+        return position
+
+    def _restore_rng(self, step: int) -> None:
+        """This rank's random streams from its file; a rank without one (the checkpoint was written by
+        fewer processes, or the file was deleted) seeds them from train.seed, the step and its rank."""
+        from trainer.node.checkpoint import load_rng_state, rng_file, seed_rng, set_rng_state
+
         rng_path = rng_file(self.resume_from, self.topology.rank)
-        if state.get("world_size") != self.topology.world_size:
-            self.reporter.info(
-                f"warning: {self.resume_from} was written by {state.get('world_size')} processes, "
-                f"this run has {self.topology.world_size}: data order and random streams differ from an "
-                "uninterrupted run"
-            )
         if rng_path.is_file():
             set_rng_state(load_rng_state(rng_path))  # checked before the process group started
-        self.run_facts["resumed_loss"] = state.get("loss", float("nan"))
-        self.reporter.info(f"resumed from {self.resume_from} at step {state['step']}")
-        return int(state["step"])
+        else:
+            seed_rng(self.train_config.seed, step, self.topology.rank)
+        missing = [r for r in range(self.topology.world_size) if not rng_file(self.resume_from, r).is_file()]
+        if missing:
+            self.reporter.info(
+                f"{_ranks(missing)} {'has' if len(missing) == 1 else 'have'} no random state in "
+                f"{self.resume_from}: seeded from train.seed, step {step} and the rank"
+            )
+
+    def _data_position(self, state: dict[str, Any], step: int) -> Position:
+        """Where the data continues: the checkpoint's recorded position in the sample order, which stays
+        right at another world size or effective batch; an older checkpoint's step × effective batch.
+        Says on one line what changed since the checkpoint was written, if anything did."""
+        from trainer.node.order import Position, position_after_steps
+
+        train, world = self.train_config, self.topology.world_size
+        effective = self.batches.micro_batch_size * world * train.gradient_accumulation_steps
+        length = self.batches.length
+        recorded = state.get("data_position")
+        name = self.resume_from.name
+        if not isinstance(recorded, dict) or "samples_consumed" not in state:
+            position = position_after_steps(step, effective_batch=effective, epoch_length=length)
+            self.reporter.info(
+                f"note: {name} was written by an older trainer that did not record the samples consumed: "
+                f"data continues at step {step} × effective batch {effective} = sample "
+                f"{position.samples_consumed} (in this trainer's sample order, which differs from the "
+                "older one's)"
+            )
+            return position
+        position = Position(
+            step=step,
+            samples_consumed=int(state["samples_consumed"]),
+            epoch=int(recorded["epoch"]),
+            offset=int(recorded["epoch_offset"]),
+        )
+        data = f"data continues at sample {position.samples_consumed}"
+        epoch_changed = int(recorded["epoch_length"]) != length
+        if epoch_changed:
+            # Another data.repeats: the epoch's permutation is another one, a place in it means nothing.
+            position = Position(
+                step=step, samples_consumed=position.samples_consumed, epoch=position.epoch + 1, offset=0
+            )
+            data += (
+                f", at the start of epoch {position.epoch} (an epoch was {recorded['epoch_length']} samples "
+                f"× repeats, now {length})"
+            )
+        saved_effective = int(recorded["effective_batch"])
+        if saved_effective != effective:
+            data += f" (the samples consumed, not step × {effective} = {step * effective})"
+        batch = [
+            f"{what} {saved} -> {now}"
+            for what, saved, now in (
+                ("micro batch", state.get("micro_batch_size"), self.batches.micro_batch_size),
+                ("accumulation", state.get("gradient_accumulation_steps"), train.gradient_accumulation_steps),
+            )
+            if saved is not None and saved != now
+        ]
+        saved_world = state.get("world_size")
+        if batch or epoch_changed or saved_world != world or saved_effective != effective:
+            batch.append(
+                f"effective batch {saved_effective} kept"
+                if saved_effective == effective
+                else f"effective batch {saved_effective} -> {effective}"
+            )
+            world_part = f"written by {saved_world} processes, now {world}" if saved_world != world else ""
+            parts = [part for part in (world_part, ", ".join(batch), data) if part]
+            self.reporter.info(f"resuming from {name} ({'; '.join(parts)})")
+        return position
 
     def _save(self, step: int, loss: float) -> None:
-        accumulation = self.train_config.gradient_accumulation_steps
+        position = self.batches.position_after(step)
         state = {
             "step": step,
             "loss": loss,
-            "micro_batches_consumed": step * accumulation,
-            "epoch": (step * accumulation) // self.batches.batches_per_epoch,
+            # Where the data continues (trainer.node.order), whatever world size or batch resumes it.
+            "samples_consumed": position.samples_consumed,
+            "data_position": position.to_state(
+                effective_batch=self.batches.effective_batch, epoch_length=self.batches.length
+            ),
+            "epoch": position.epoch,
             "world_size": self.topology.world_size,
+            "micro_batch_size": self.batches.micro_batch_size,
+            "gradient_accumulation_steps": self.train_config.gradient_accumulation_steps,
             "engine": self.engine.name,
             "seed": self.train_config.seed,
             "fingerprint": self.fingerprint,
@@ -261,3 +335,12 @@ class Trainer:
             f"done: step {self.train_config.max_steps}, loss {loss:.4f}, "
             f"parameters identical on all {len(checksums)} ranks: {len(set(checksums)) == 1}"
         )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """ "rank 2", "ranks 2-3" (consecutive), "ranks 1, 3"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)

@@ -1,5 +1,6 @@
-"""Micro-batches of rows for one rank, a pure function of (seed, step, rank, world size) as for the
-built-in model (trainer.node.data.ShardedBatches): resuming at a step resumes the data.
+"""Micro-batches of rows for one rank, cut from the run's sample order (trainer.node.order) as for the
+built-in model: the order is over rows (a packed row holds several samples), a function of the samples
+consumed, so a resume continues sample-exact at any world size with the same effective batch.
 
 A micro-batch is `(input_ids, labels, position_ids, num_items_in_batch)`, what the loss wrapper
 (trainer.node.hf.model.CausalLMLoss) takes:
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from trainer.node.hf.chat import IGNORE
+from trainer.node.order import StepBatches
 
 if TYPE_CHECKING:
     from trainer.node.hf.dataset import Samples
@@ -75,8 +76,8 @@ class Collator:
         return tensors[0], tensors[1], position_ids, count
 
 
-class FinetuneBatches:
-    """`batch(position)`: the position-th micro-batch this rank trains on (see the module docstring)."""
+class FinetuneBatches(StepBatches):
+    """This rank's micro-batches of each step (see the module docstring); the order is over rows."""
 
     def __init__(
         self,
@@ -84,56 +85,35 @@ class FinetuneBatches:
         *,
         repeats: int,
         micro_batch_size: int,
-        accumulation: int,
         rank: int,
         world_size: int,
         seed: int,
     ):
-        self.collator = collator
         rows = collator.rows
-        self.row_count = len(rows)
+        super().__init__(
+            num_samples=len(rows),
+            repeats=repeats,
+            micro_batch_size=micro_batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+        )
+        self.collator = collator
         self.row_labels = rows.totals(collator.samples.label_counts())
         self.row_tokens = rows.totals(collator.samples.lengths())
-        self.length = self.row_count * repeats
-        self.micro_batch_size, self.accumulation = micro_batch_size, accumulation
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.batches_per_epoch = (self.length // world_size) // micro_batch_size
-        self._epoch_order = lru_cache(maxsize=2)(self._order)
 
-    def _order(self, epoch: int) -> np.ndarray:
-        # What DistributedSampler(shuffle=True, drop_last=True) draws: randperm seeded with seed + epoch,
-        # cut to a multiple of the world size; rank r takes every world_size-th index from r.
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + epoch)
-        order = torch.randperm(self.length, generator=generator).numpy()
-        return order[: (self.length // self.world_size) * self.world_size] % self.row_count
-
-    def rows_at(self, position: int, rank: int) -> list[int]:
-        epoch, within = divmod(position, self.batches_per_epoch)
-        mine = self._epoch_order(epoch)[rank :: self.world_size]
-        return mine[within * self.micro_batch_size : (within + 1) * self.micro_batch_size].tolist()
-
-    def _step_rows(self, position: int) -> list[int]:
-        first = (position // self.accumulation) * self.accumulation
-        return [
-            row
-            for p in range(first, first + self.accumulation)
-            for rank in range(self.world_size)
-            for row in self.rows_at(p, rank)
-        ]
-
-    def batch(self, position: int) -> Batch:
-        step_labels = int(self.row_labels[self._step_rows(position)].sum())
+    def _collate(self, chosen: np.ndarray, step: int) -> Batch:
+        # Every rank sums the same rows of the step: the same divisor everywhere, with no collective.
+        step_labels = int(self.row_labels[self.step_samples(step)].sum())
         num_items = max(1, step_labels) / (self.world_size * self.accumulation)
-        return self.collator.collate(self.rows_at(position, self.rank), num_items)
+        return self.collator.collate(chosen.tolist(), num_items)
 
-    def step_tokens(self, first_position: int, count: int) -> int:
-        """Tokens (pads not counted) that all ranks train on in micro-batches [first, first + count)."""
-        return sum(
-            int(self.row_tokens[self.rows_at(p, rank)].sum())
-            for p in range(first_position, first_position + count)
-            for rank in range(self.world_size)
-        )
+    def step_tokens(self, step: int) -> int:
+        """Tokens (pads not counted) that all ranks train on in step `step`."""
+        return int(self.row_tokens[self.step_samples(step)].sum())
+
+    def logged_ids(self, chosen: np.ndarray) -> list[int]:
+        return [int(sample) for row in chosen for sample in self.collator.rows.row(int(row))]
 
 
 class EvalBatches:

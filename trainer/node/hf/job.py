@@ -243,7 +243,6 @@ class FineTune:
             self._collator(self.train, self.rows, topology.device),
             repeats=repeats,
             micro_batch_size=train.micro_batch_size,
-            accumulation=train.gradient_accumulation_steps,
             rank=topology.rank,
             world_size=topology.world_size,
             seed=train.seed,
