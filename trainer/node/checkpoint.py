@@ -245,11 +245,17 @@ def check_resumable(
                 f"{checkpoint} was written with {key} = {saved[key]}, this config has {value}; {fix}",
             )
     if saved.get("engine") == "deepspeed" and state.get("world_size") != world_size:
-        raise ConfigError(
-            "checkpoint.resume",
-            f"{checkpoint} holds DeepSpeed ZeRO shards for {state.get('world_size')} processes, this run has "
-            f"{world_size}; {fix}",
-        )
+        # Another world size is resumed through DeepSpeed's universal checkpoint (engines.ds_universal),
+        # converted once when the engine loads; only what it cannot re-cut is refused here.
+        from trainer.node.engines.ds_universal import resize_problem
+
+        problem = resize_problem(checkpoint, "deepspeed")
+        if problem:
+            raise ConfigError(
+                "checkpoint.resume",
+                f"{checkpoint} was written by {state.get('world_size')} DeepSpeed processes, this run has "
+                f"{world_size}: {problem}; resume it with {state.get('world_size')} processes, or {fix}",
+            )
     return warnings
 
 

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO 1/2/3. The DeepSpeed JSON is generated from the trainer config and written to
 OUTPUT_DIR/ds_config.json, so the user sees (and can reuse) exactly what ran. Checkpoints go through
-DeepSpeed's own save_checkpoint/load_checkpoint (each rank writes its optimizer shard)."""
+DeepSpeed's own save_checkpoint/load_checkpoint (each rank writes its optimizer shard); one written by
+another number of processes is loaded through DeepSpeed's universal checkpoint (ds_universal)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 import deepspeed
 import torch
 
-from trainer.node.engines import Batch, Engine, frozen_parameter_names
+from trainer.node.engines import Batch, Engine, ds_universal, frozen_parameter_names
 from trainer.node.optim import build_optimizer
 
 CHECKPOINT_TAG = "deepspeed"
@@ -68,6 +69,7 @@ class DeepSpeedEngine(Engine):
     ):
         adopt_process_group(topology.backend)
         self.topology = topology
+        self.timeout_s = distributed.timeout_s
         self.ds_config = deepspeed_config(train, distributed, topology.world_size, bf16)
         if topology.is_main:
             path = Path(output_dir) / "ds_config.json"
@@ -117,15 +119,60 @@ class DeepSpeedEngine(Engine):
             save_latest=False,
             exclude_frozen_parameters=bool(frozen_parameter_names(self.module)),
         )
+        ds_universal.dump_optimizer_state(self.engine, directory, "saved")
 
     def load(self, directory: Path) -> None:
-        path, _ = self.engine.load_checkpoint(
-            str(directory),
+        from trainer.node.checkpoint import read_state
+        from trainer.node.distributed import gather
+
+        universal = ds_universal.prepare(
+            directory,
             tag=CHECKPOINT_TAG,
-            load_optimizer_states=True,
-            load_lr_scheduler_states=True,
-            # A LoRA checkpoint has no base weights: they come from the model directory, loaded already.
-            load_module_strict=not frozen_parameter_names(self.module),
+            saved_world_size=int(read_state(directory).get("world_size", self.topology.world_size)),
+            world_size=self.topology.world_size,
+            is_main=self.topology.is_main,
+            timeout_s=self.timeout_s,
+            share=lambda value: gather(value)[0],
+            say=lambda line: print(line, flush=True) if self.topology.is_main else None,
         )
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        # DeepSpeed reads the option at each load_checkpoint: on for this load only, so a user's JSON
+        # with load_universal set still loads a same-world-size checkpoint's own shards.
+        config = self.engine._config
+        previous, config.load_universal_checkpoint = config.load_universal_checkpoint, universal is not None
+        # Every rank would warn "MPU is not provided, setting tp size to 1": we have no tensor parallelism.
+        quiet = logging.getLogger("DeepSpeed")
+        level = quiet.level
+        if universal is not None:
+            quiet.setLevel(logging.ERROR)
+        try:
+            path, _ = self.engine.load_checkpoint(
+                str(universal or directory),
+                tag=CHECKPOINT_TAG,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+                # A LoRA checkpoint has no base weights: they come from the model directory, loaded already.
+                load_module_strict=not frozen_parameter_names(self.module),
+            )
+        finally:
+            config.load_universal_checkpoint = previous
+            quiet.setLevel(level)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}/{CHECKPOINT_TAG}")
+        if universal is not None and self.ds_config["zero_optimization"]["stage"] == 3:
+            self._mend_zero3_universal_load(groups)
+        ds_universal.dump_optimizer_state(self.engine, directory, "loaded")
+
+    def _mend_zero3_universal_load(self, groups: list[dict[str, Any]]) -> None:
+        """Two slips of ZeRO-3's universal load (DeepSpeed 0.19), found by comparing a resumed run's
+        losses with an uninterrupted one's (tests/test_ds_resize.py):
+        - every parameter group gets the first group's settings: the biases and norms would get the
+          matrices' weight decay. The settings are the config's (the fingerprint keeps them) and lr
+          comes from the scheduler: ours go back, lr stays as loaded;
+        - every group's Adam state gets the same `step` tensor, which AdamW increments in place: with
+          two groups the bias correction would count two steps per step. Each gets its own copy."""
+        for group, ours in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update({k: v for k, v in ours.items() if k not in ("lr", "initial_lr")})
+        for state in self.optimizer.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
