@@ -221,9 +221,13 @@ def test_a_checkpoint_without_samples_consumed_resumes_at_step_times_the_batch(
     assert sorted(trained) == [5] and set(trained[5]) < set(ref_samples[3])
 
 
-def test_accelerate_resumed_on_3_processes_trains_the_uninterrupted_runs_samples(run_trainer, tmp_path):
+def test_accelerate_resumed_on_3_processes_trains_the_uninterrupted_runs_samples(
+    gpt_reference, run_trainer, tmp_path
+):
     engine = ["distributed.engine=accelerate"]
     ref = reference(tmp_path, "reference", [*GPT, *engine], launcher="accelerate")
+    ref_samples = samples_by_step(tmp_path / "reference-samples")
+    assert ref_samples == gpt_reference[1], "every engine trains the same samples in each step"
     checkpoint = ref.output_dir / "checkpoints" / "step-4"
     three = run_trainer(
         *GPT,
@@ -237,8 +241,8 @@ def test_accelerate_resumed_on_3_processes_trains_the_uninterrupted_runs_samples
     )
     assert_resumed(three, world_size=3, engine="accelerate")
     assert f"rank 2 has no random state in {checkpoint}" in three.stdout
-    assert_continues(samples_by_step(tmp_path / "reference-samples"), tmp_path / "three-samples")
-    assert_same_losses(three, ref)
+    assert_continues(ref_samples, tmp_path / "three-samples")
+    print(f"accelerate, 3 processes: largest relative loss difference {assert_same_losses(three, ref):.2e}")
 
 
 HF = {
@@ -282,7 +286,10 @@ def test_finetuning_resumed_at_another_world_size_trains_the_uninterrupted_runs_
         assert_resumed(resumed, world_size=processes)
         assert f"written by 2 processes, now {processes}" in resumed.stdout
         assert_continues(ref_samples, tmp_path / f"on-{processes}-samples")
-        assert_same_losses(resumed, ref)
+        difference = assert_same_losses(resumed, ref)
+        print(
+            f"fine-tuning {name}, {processes} process(es): largest relative loss difference {difference:.2e}"
+        )
         if "data.eval_fraction=0.1" in extra:  # the same held-out samples: the same eval loss
             eval_losses = [run.metrics[-1]["eval_loss"] for run in (resumed, ref)]
             assert eval_losses[0] == pytest.approx(eval_losses[1], rel=LOSS_RTOL)
