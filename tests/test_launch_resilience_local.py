@@ -25,6 +25,8 @@ from test_launch_command_local import launch_processes
 from test_launch_local import TINY, VENV, _trainer_pids, launch_command
 from test_launch_local import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
+from trainer import exitcodes
+
 pytestmark = pytest.mark.slow
 
 
@@ -139,12 +141,17 @@ def test_a_node_silent_past_the_grace_stops_every_node_and_is_named(loopback, tm
         if launcher.poll() is None:
             launcher.kill()
     try:
-        assert launcher.returncode == 1, out
-        assert "first failure on host node1 (node 1, rank 1): unreachable (no answer for" in out, out
+        assert launcher.returncode == exitcodes.NODE_LOST, out
+        assert "failed: node1 (node 1) was lost at step " in out and ": no answer for " in out, out
+        assert "[node1] node 1: lost (no answer since " in out, "shown as lost, never as running"
         assert "could not confirm the stop on node1" in out, "the stop on a silent node has a timeout"
+        assert "relaunch with --max-restarts K --exclude-failed to go on without it" not in out, (
+            "no restarts asked"
+        )
         assert _trainer_pids(run / "launch" / "node-0") == [], "node0's trainer was stopped"
         stopped = [r for r in history(run) if r["event"] == "stopped"]
-        assert stopped[-1]["why"] == "unreachable" and stopped[-1]["hosts"] == ["node1"]
+        assert stopped[-1]["why"] == "lost" and stopped[-1]["hosts"] == ["node1"], stopped[-1]
+        assert stopped[-1]["cause"]["code"] == exitcodes.NODE_LOST
     finally:
         flag.unlink(missing_ok=True)
         subprocess.run(launch_command(inventory, "--run-name", "lost", "--stop"), env=env, timeout=300)
@@ -213,9 +220,10 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_ends_like_an_unin
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, out
-    assert "restart 1 of 1: node1 failed" in out and "relaunching from the latest checkpoint (step-" in out, (
-        out
-    )
+    assert (
+        "restart 1 of 1: killed by signal 9 (SIGKILL) (rank 1 on node1 (node 1), exit code 137); resuming on "
+        "2 nodes from step-" in out
+    ), out
     summary = json.loads((run / "summary.json").read_text())
     straight = json.loads((shared / "runs" / "straight" / "summary.json").read_text())
     assert summary["resumed_from"], "the second launch resumed from a checkpoint"
@@ -263,11 +271,15 @@ def test_a_node_failing_twice_is_left_out_and_the_batch_is_kept(loopback, tmp_pa
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
-    assert "restart 1 of 2: GPU 0 of rank 2 on node2 tripped the health check" in out, out
+    assert "restart 1 of 2: GPU fault: GPU 0 (uuid " in out and "of rank 2 tripped the health check" in out, (
+        out
+    )
+    assert "(rank 2 on node2 (node 2), exit code 75)" in out, "the faulting rank, not the first to exit"
+    assert "restart 2 of 2: GPU fault: " in out, out
     assert (
-        "node2 left out after failing twice: 3 → 2 nodes, world size 3 → 2, gradient accumulation 2 → 3 "
-        "(effective batch" in out
+        "resuming on 2 nodes from step-" in out and "(accumulation 2 -> 3, effective batch 96 kept)" in out
     ), out
+    assert "node2 left out: 3 -> 2 nodes, world size 3 -> 2" in out, out
     summary = json.loads((shared / "runs" / "exclude" / "summary.json").read_text())
     assert summary["final_step"] == 8 and summary["world_size"] == 2
     restarts = [r for r in history(shared / "runs" / "exclude") if r["event"] == "restart"]
@@ -384,9 +396,7 @@ def test_attach_restarts_a_failed_run_within_the_launchs_max_restarts(loopback, 
             attach.kill()
     assert attach.returncode == 0, out
     assert "this launch had --max-restarts 1 (0 used): attach restarts each node's run.sh" in out, out
-    assert "restart 1 of 1: node1 failed" in out and "relaunching from the latest checkpoint (step-" in out, (
-        out
-    )
+    assert "restart 1 of 1: killed by signal 9 (SIGKILL) (rank 1 on node1" in out and "from step-" in out, out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] and summary["final_step"] == 30
     assert [r["event"] for r in history(run)][-2:] == ["stopped", "restart"], history(run)

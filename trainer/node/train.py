@@ -450,6 +450,16 @@ def train(
             on_step_start=progress.started,
         )
         code = trainer.train()
+        if code == exitcodes.GPU_FAULT:  # the breaker's per-step check stopped every rank together
+            if (fault := health.fault) is not None:
+                exit_record.note(
+                    f"GPU fault: GPU {fault.gpu} (uuid {fault.uuid}) of rank {fault.rank} tripped the health "
+                    f"check, {fault.metric}={fault.value}"
+                )
+            else:
+                exit_record.note(
+                    "stopped because another rank's GPU tripped the health check", consequence=True
+                )
         if finetune is not None and code == exitcodes.OK:
             final = output_dir / "final"
             if trainer.steps_this_run or not final.is_dir():

@@ -118,8 +118,9 @@ class Diagnosis:
         after = self.cause_phrase
         if event.kind == "lost":
             return f"{event.host} (node {event.node_rank}) was lost too ({event.message})"
-        what = "its collective failed" if event.consequence else event.message
-        return f"{event.where}: {what} after {after} (exit code {event.code})"
+        if is_peer_loss(event.message) or (event.consequence and not event.message):
+            return f"{event.where}: its collective failed after {after} (exit code {event.code})"
+        return f"{event.where}: {event.message}, after {after} (exit code {event.code})"
 
     @property
     def cause_phrase(self) -> str:

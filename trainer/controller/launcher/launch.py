@@ -444,11 +444,14 @@ class Launcher:
         *,
         policy: dict[str, Any] | None = None,
         final: bool = True,
+        leave_lost: bool = False,
         attach: bool = False,
     ) -> Outcome:
         """Start the job on every node and follow it until it ends, fails or stalls; with `attach`,
         follow the launch that is already running (`trainer attach`). `policy`: the restart policy's
-        state, for launch.json; `final`: no restart can follow, so the stop releases the run's lock."""
+        state, for launch.json; `final`: no restart can follow, so the stop releases the run's lock;
+        `leave_lost`: the next attempt goes on without a lost node, so its stop does not wait for it
+        (a vanished node's connection would only time out), else it is tried like any other."""
         self.policy = dict(policy or {})
         plan, topo = self.plan, self.plan.topology
         if not attach:
@@ -597,12 +600,13 @@ class Launcher:
                 view.message(f"stalled ({stall.summary}): collecting stacks, then stopping every host")
             elif early is not None:
                 view.message(f"{early.cause_phrase}; stopping the trainer on every host that answers")
+            skipped = set(early.lost) if early is not None and leave_lost else set()
             stopped = self.stop(
                 monitor,
                 stacks=stall is not None and plan.runs_bundled_trainer,
                 record=self._stop_record(early),
                 release=final,
-                skip=set(early.lost) if early is not None else set(),
+                skip=skipped,
             )
             view.states(monitor.ordered)
         diagnosis = diagnose(monitor, bundled=plan.runs_bundled_trainer)
@@ -614,7 +618,7 @@ class Launcher:
             ),
             "",
         )
-        self._report_stop_problems(stopped, view, lost=diagnosis.lost if diagnosis else [])
+        self._report_stop_problems(stopped, view, skipped=sorted(skipped))
         if diagnosis is None:
             view.message("[red]trainer launch: watching the trainer failed[/red]")
             return Outcome(
@@ -706,13 +710,12 @@ class Launcher:
             lost=[] if reachable_failure else unreachable,
         )
 
-    def _report_stop_problems(self, stopped: PlaybookResult, view: LiveView, lost: list[str] = ()) -> None:
-        for host in lost:
-            if host not in stopped.ok:
-                view.message(
-                    f"{host} was not stopped: it is lost. If it comes back with its trainer still running, "
-                    f"the next launch of run {self.plan.run_name} there refuses to start and names it"
-                )
+    def _report_stop_problems(self, stopped: PlaybookResult, view: LiveView, skipped: list[str] = ()) -> None:
+        for host in skipped:
+            view.message(
+                f"{host} was not stopped: it is lost. If it comes back with its trainer still running, "
+                f"the next launch of run {self.plan.run_name} there refuses to start and names it"
+            )
         for problem in self.stop_problems(stopped):
             view.message(
                 f"[red]could not confirm the stop on {problem}[/red]: its trainer may still be running; "

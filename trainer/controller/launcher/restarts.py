@@ -135,8 +135,13 @@ class RestartPolicy:
         while True:
             outcome, first = first, None
             if outcome is None:
+                final = self.restarts >= self.max_restarts
                 outcome = self.launcher.attempt(
-                    self.view, record, policy=self.state(), final=self.restarts >= self.max_restarts
+                    self.view,
+                    record,
+                    policy=self.state(),
+                    final=final,
+                    leave_lost=self.exclude_failed and not final,
                 )
             self.latest_checkpoint = outcome.latest_checkpoint or self.latest_checkpoint
             if outcome.code in (exitcodes.OK, exitcodes.INTERRUPTED) or outcome.kind == "locked":
@@ -174,7 +179,8 @@ class RestartPolicy:
             else:
                 how = "relaunch with --max-restarts K --exclude-failed"
             view.message(
-                f"not restarted: {', '.join(lost)} was lost; {how} to go on without it from the latest "
+                ("not restarted: " if self.max_restarts else "")
+                + f"{', '.join(lost)} was lost; {how} to go on without it from the latest "
                 f"checkpoint{self._checkpoint_text()}, or relaunch once it answers again"
             )
             return None
@@ -274,8 +280,8 @@ class RestartPolicy:
     # --- what is said ----------------------------------------------------------------------------------
 
     def _restart_line(self, outcome: Outcome, lost: list[str], batch: str, free: bool) -> str:
-        """`ct-worker2 lost at step 47; resuming on 2 node(s) from step-40 (accumulation 1 -> 2,
-        effective batch 48 kept) [restart 1 of 2]`."""
+        """`restart 1 of 2: ct-worker2 lost at step 47; resuming on 2 nodes from step-40 (accumulation
+        1 -> 2, effective batch 48 kept)`; a probe's failure says it used no restart instead."""
         plan = self.plan
         diagnosis = outcome.diagnosis
         at = (
@@ -287,7 +293,8 @@ class RestartPolicy:
             what = f"{', '.join(lost)} lost{at}"
         else:
             what = escape(outcome.reason)
-        where = f"on {plan.topology.nnodes} node(s)"
+        nodes = plan.topology.nnodes
+        where = f"on {nodes} node{'s' if nodes != 1 else ''}"
         if plan.runs_bundled_trainer:
             resume = (
                 f"resuming {where} from {self._checkpoint_name()}"
@@ -296,13 +303,10 @@ class RestartPolicy:
             )
         else:
             resume = f"relaunching your command {where} (it resumes if it reads its own checkpoints)"
-        counted = (
-            "(a lost node is left out without using a restart)"
-            if free
-            else f"[restart {self.restarts} of {self.max_restarts}]"
-        )
         details = f" ({batch})" if batch else ""
-        return f"[yellow]{what}[/yellow]; {resume}{details} {counted}"
+        if free:
+            return f"[yellow]{what}[/yellow]; {resume}{details}; no restart used (a lost node is left out)"
+        return f"[yellow]restart {self.restarts} of {self.max_restarts}[/yellow]: {what}; {resume}{details}"
 
     def _checkpoint_name(self) -> str:
         return self.latest_checkpoint.rstrip("/").rsplit("/", 1)[-1] or self.latest_checkpoint
