@@ -244,18 +244,20 @@ def check_resumable(
                 "checkpoint.resume",
                 f"{checkpoint} was written with {key} = {saved[key]}, this config has {value}; {fix}",
             )
-    if saved.get("engine") == "deepspeed" and state.get("world_size") != world_size:
-        # Another world size is resumed through DeepSpeed's universal checkpoint (engines.ds_universal),
-        # converted once when the engine loads; only what it cannot re-cut is refused here.
-        from trainer.node.engines.ds_universal import resize_problem
-
-        problem = resize_problem(checkpoint, "deepspeed")
-        if problem:
-            raise ConfigError(
-                "checkpoint.resume",
-                f"{checkpoint} was written by {state.get('world_size')} DeepSpeed processes, this run has "
-                f"{world_size}: {problem}; resume it with {state.get('world_size')} processes, or {fix}",
-            )
+    # A DeepSpeed checkpoint of another world size is resumed through DeepSpeed's universal checkpoint
+    # (engines.ds_universal), converted once when the engine loads. Optimizer state offloaded to NVMe is
+    # in per-process swap files (step-N/deepspeed/offloaded_tensors/rank*) it does not cover: refused.
+    if (
+        saved.get("engine") == "deepspeed"
+        and state.get("world_size") != world_size
+        and (checkpoint / "deepspeed" / "offloaded_tensors").is_dir()
+    ):
+        raise ConfigError(
+            "checkpoint.resume",
+            f"{checkpoint} was written by {state.get('world_size')} DeepSpeed processes, this run has "
+            f"{world_size}: its optimizer state was offloaded to NVMe per process, which DeepSpeed cannot "
+            f"re-cut; resume it with {state.get('world_size')} processes, or {fix}",
+        )
     return warnings
 
 

@@ -36,7 +36,7 @@ temporary directory and before the rename (a test kills the run there); TRAINER_
 <dir> makes rank 0 write every parameter's full fp32 weight, Adam moments and steps, the parameter
 groups and the scheduler's state after each save and load (dump_optimizer_state).
 
-No torch at the top: trainer.node.checkpoint (loaded on the controller) imports resize_problem.
+torch and DeepSpeed are imported inside functions (and in the converter's own process).
 """
 
 from __future__ import annotations
@@ -64,15 +64,6 @@ DONE_MARKER = "latest_universal"
 #: The conversion's share of distributed.timeout_s: the other ranks wait that long at most, and rank 0
 #: must still tell them why it gave up.
 TIMEOUT_SHARE = 0.9
-
-
-def resize_problem(checkpoint: Path, tag: str) -> str | None:
-    """Why the DeepSpeed checkpoint cannot be resumed by another number of processes (None: it can).
-    NVMe-offloaded optimizer state is kept in per-rank swap files that the universal checkpoint does
-    not cover."""
-    if (checkpoint / tag / "offloaded_tensors").is_dir():
-        return "its optimizer state was offloaded to NVMe per process, which DeepSpeed cannot re-cut"
-    return None
 
 
 def universal_dir(checkpoint: Path) -> Path:
@@ -183,7 +174,7 @@ def _run_converter(source: Path, output: Path, *, timeout_s: float) -> None:
             raise
     if child.returncode != 0:
         lines = [line.strip() for line in output_text.strip().splitlines() if line.strip()]
-        raise ConversionFailed(lines[-1][:300] if lines else f"ds_to_universal exited {child.returncode}")
+        raise ConversionFailed(lines[-1] if lines else f"ds_to_universal exited {child.returncode}")
 
 
 def _kill_group(child: subprocess.Popen) -> None:
@@ -201,7 +192,10 @@ def _failure(error: BaseException, source: Path) -> tuple[str, str]:
         return "no_space", (
             f"it needs about {human_size(disk_usage(source))}, {human_size(free_bytes(source))} free"
         )
-    text = (str(error).strip().splitlines() or [""])[0][:300]
+    text = (str(error).strip().splitlines() or [""])[0]
+    if len(text) > 200:  # torch's errors go on with advice for its own users: the first sentence
+        cut = text.find(". ", 40, 300)
+        text = text[: cut + 1] if cut > 0 else text[:300]
     return "failed", text if isinstance(
         error, ConversionFailed | TimeoutError
     ) else f"{type(error).__name__}: {text}"
