@@ -14,7 +14,7 @@ import json
 import time
 
 import pytest
-from trainer_harness import QUICK, assert_trained, finish, kill_job, start_run
+from trainer_harness import QUICK, assert_trained, finish, kill_job, start_run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +34,6 @@ PAUSE_IN_STEP_20_WRITE = {
     "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S": "300",
     "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_STEP": "20",
 }
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def assert_engine_files(run, engine: list[str]) -> None:
@@ -92,6 +84,8 @@ def test_engine_trains_and_resumes_exactly_after_kill_mid_checkpoint(run_trainer
     assert resumed.summary["resumed_from"].endswith("step-10")
     assert resumed.summary["steps_this_run"] == 10
     assert not list(checkpoints.glob(".tmp-*"))
+    # The same world size: DeepSpeed loads its own shards, no universal checkpoint is made.
+    assert "universal" not in resumed.stdout and not list(checkpoints.glob("step-*/universal"))
     assert [m["step"] for m in resumed.metrics] == [1, 5, 10, 15, 20]
     assert resumed.summary["final_loss"] == pytest.approx(reference.summary["final_loss"], abs=1e-6)
     assert resumed.summary["param_checksums"] == reference.summary["param_checksums"]

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,15 @@ def _log_paths(output_dir: Path) -> tuple[Path, Path]:
     return output_dir.with_name(output_dir.name + ".stdout"), output_dir.with_name(
         output_dir.name + ".stderr"
     )
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    """Poll condition() until it is true; AssertionError naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
 
 
 def kill_job(process: subprocess.Popen) -> None:
