@@ -51,7 +51,9 @@ def trainer(workdir: Path, run: str, *overrides: str, progress: Path | None = No
     ]
     started = time.monotonic()
     with open(workdir / f"{run}.log", "w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, timeout=480)
+        done = subprocess.run(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, timeout=480
+        )
     return done.returncode, time.monotonic() - started
 
 
