@@ -135,7 +135,6 @@ class DeepSpeedEngine(Engine):
             share=lambda value: gather(value)[0],
             say=lambda line: print(line, flush=True) if self.topology.is_main else None,
         )
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         # DeepSpeed reads the option at each load_checkpoint: on for this load only, so a user's JSON
         # with load_universal set still loads a same-world-size checkpoint's own shards.
         config = self.engine._config
@@ -160,19 +159,22 @@ class DeepSpeedEngine(Engine):
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}/{CHECKPOINT_TAG}")
         if universal is not None and self.ds_config["zero_optimization"]["stage"] == 3:
-            self._mend_zero3_universal_load(groups)
+            self._mend_zero3_universal_load(universal)
         ds_universal.dump_optimizer_state(self.engine, directory, "loaded")
 
-    def _mend_zero3_universal_load(self, groups: list[dict[str, Any]]) -> None:
-        """Two slips of ZeRO-3's universal load (DeepSpeed 0.19), found by comparing a resumed run's
-        losses with an uninterrupted one's (tests/test_ds_resize.py):
-        - every parameter group gets the first group's settings: the biases and norms would get the
-          matrices' weight decay. The settings are the config's (the fingerprint keeps them) and lr
-          comes from the scheduler: ours go back, lr stays as loaded;
+    def _mend_zero3_universal_load(self, universal: Path) -> None:
+        """Two slips of ZeRO-3's universal load (DeepSpeed 0.19), found by comparing a resumed run with
+        an uninterrupted one (tests/test_ds_resize.py):
+        - every parameter group gets the first group's saved settings: the biases and norms would get
+          the matrices' weight decay. Each group gets its own back, from the same file DeepSpeed read
+          (written by this run's conversion and checked: trusted like the checkpoint);
         - every group's Adam state gets the same `step` tensor, which AdamW increments in place: with
           two groups the bias correction would count two steps per step. Each gets its own copy."""
-        for group, ours in zip(self.optimizer.param_groups, groups, strict=True):
-            group.update({k: v for k, v in ours.items() if k not in ("lr", "initial_lr")})
+        saved = torch.load(
+            universal / CHECKPOINT_TAG / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False
+        )["optimizer_state_dict"]["param_groups"]
+        for group, theirs in zip(self.optimizer.param_groups, saved, strict=True):
+            group.update({k: v for k, v in theirs.items() if k != "params"})
         for state in self.optimizer.optimizer.state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
