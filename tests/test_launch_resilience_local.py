@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -284,6 +285,76 @@ def test_a_node_failing_twice_is_left_out_and_the_batch_is_kept(loopback, tmp_pa
     assert summary["final_step"] == 8 and summary["world_size"] == 2
     restarts = [r for r in history(shared / "runs" / "exclude") if r["event"] == "restart"]
     assert [r["nodes"] for r in restarts][-1] == {"node0": 0, "node1": 1}
+
+
+def test_a_lost_node_is_left_out_at_once_and_the_survivor_finishes_like_a_run_started_there(
+    loopback, tmp_path
+):
+    """node1 vanishes (its trainer killed and every call to it failing, as when a spot instance is
+    reclaimed): it is named as the cause, left out at once, and node0 goes on alone from the latest
+    checkpoint with accumulation 1 -> 2; its final loss equals a run started on node0 alone from the
+    same checkpoint with the same batch split, to the bit."""
+    inventory, shared = loopback
+    single = tmp_path / "single"
+    shutil.copytree(inventory, single)
+    hosts = yaml.safe_load((single / "hosts.yml").read_text())
+    hosts["cluster"]["children"]["workers"]["hosts"] = {}
+    (single / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    flag = flaky_venv(tmp_path, inventory, "fail")
+    env = run_env(tmp_path)
+    run = shared / "runs" / "survive"
+    # Every checkpoint kept: the one the restart resumed from is copied for the reference run.
+    steps = ["--set", "train.max_steps=24", "--set", "checkpoint.save_total_limit=0", *TINY]
+    launcher = subprocess.Popen(
+        launch_command(inventory, "--run-name", "survive", "--max-restarts", "1", "--exclude-failed", *steps),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step-6").exists(), "checkpoint step-6", proc=launcher)
+        victims = wait_for(lambda: _trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=launcher)
+        flag.touch()  # node1 answers no more...
+        for pid in victims:  # ...and its trainer is gone
+            os.kill(pid, signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        flag.unlink(missing_ok=True)
+    assert launcher.returncode == 0, out
+    assert "failed: node1 (node 1) was lost at step " in out, out
+    assert "then: rank 0 on node0 (node 0): its collective failed after node1 was lost" in out, out
+    restart = next(r for r in history(run) if r["event"] == "restart")
+    resumed_from = restart["resume_from"].rstrip("/").rsplit("/", 1)[-1]
+    assert (
+        f"restart 1 of 1: node1 lost at step {restart['cause']['at_step']}; resuming on 1 node from "
+        f"{resumed_from} (accumulation 1 -> 2, effective batch 32 kept)" in out
+    ), out
+    assert restart["lost"] == ["node1"] and restart["excluded"] == ["node1"], restart
+    assert restart["cause"]["cause"]["kind"] == "lost" and restart["nodes"] == {"node0": 0}, restart
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_step"] == 24 and summary["world_size"] == 1, summary
+
+    # The same checkpoint, started on node0 alone with the restart's batch split.
+    reference = shared / "runs" / "reference"
+    (reference / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run / "checkpoints" / resumed_from, reference / "checkpoints" / resumed_from)
+    (reference / "checkpoints" / "latest").write_text(resumed_from + "\n")
+    done = subprocess.run(
+        launch_command(
+            single, "--run-name", "reference", "--set", "train.gradient_accumulation_steps=2", *steps
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    straight = json.loads((reference / "summary.json").read_text())
+    assert straight["final_step"] == 24 and straight["resumed_from"], straight
+    assert summary["final_loss"] == straight["final_loss"], (summary["final_loss"], straight["final_loss"])
 
 
 def test_sighup_stops_every_node(loopback, tmp_path):
