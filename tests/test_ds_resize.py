@@ -311,6 +311,7 @@ def test_a_conversion_killed_half_way_leaves_the_checkpoint_and_the_next_run_con
 
     again = finish(start_run(output_dir, overrides, launcher="none"), output_dir)  # ... until this run
     assert_ok(again)
+    assert f"removing an interrupted conversion of step-4 ({leftover})" in again.stdout
     converted_line(again, 4, 2, 1)
     assert not leftover.exists() and (step4 / "universal").is_dir()
     assert again.summary["resumed_from"].endswith("step-4") and again.summary["steps_this_run"] == 4

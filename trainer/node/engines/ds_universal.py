@@ -14,17 +14,19 @@ When it happens (`prepare`, every rank, inside DeepSpeedEngine.load, before Deep
 checkpoint's state file says how many processes wrote it; the same number loads the shards as before,
 no conversion. Otherwise rank 0 converts once, into the checkpoint itself, following the protocol of
 trainer.node.checkpoint (complete or absent):
-  1. a leftover of an interrupted conversion (`step-N/.tmp-universal-*`) is removed;
+  1. a leftover of an interrupted conversion (`step-N/.tmp-universal-*`) is removed (also by a resume
+     at the same world size, which converts nothing);
   2. ds_to_universal runs in a child process into `step-N/.tmp-universal-<pid>/` (a child: its worker
      pool must not fork a trainer that holds a process group, and its memory is returned at its end);
   3. the directory is renamed to `step-N/universal/` (atomic), which from then on is reused by any run
      resuming step-N at any other world size. It goes when step-N goes (save_total_limit).
 `latest`, the state file and the original shards are only read: a crash at any moment leaves step-N
-as it was, plus a `.tmp-universal-*` the next conversion removes. The other ranks wait for rank 0 in a
-collective that also carries its outcome, so a failed conversion ends every rank with the same
-ConfigError (exit 2, said once by rank 0; the checkpoint stays usable by its own world size) and
-none is left waiting. The wait is bounded by distributed.timeout_s: the conversion gets 90% of it.
-The converted files are checked like the checkpoint (check_trusted) before they are loaded.
+as it was, plus a `.tmp-universal-*` the next resume of it removes. The other ranks wait for rank 0 in
+a collective that also carries its outcome, so a failed conversion ends every rank with the same
+ConfigError (exit 2, said once by rank 0; DiskFull, exit 74, for a full disk; the checkpoint stays
+usable by its own world size) and none is left waiting. The wait is bounded by distributed.timeout_s:
+the conversion gets 90% of it. The converted files are checked like the checkpoint (check_trusted)
+before they are loaded.
 
 Random state: a rank that had no rng-rank<R>.pt at save time (more processes now) is seeded from
 (train.seed, step, rank) by the loop (trainer.node.checkpoint.seed_rng); files of ranks that no longer
@@ -84,6 +86,10 @@ def prepare(
     """The universal checkpoint to load instead of checkpoint's own shards, or None (same world size:
     load them as they are). Call on every rank. share: rank 0's value on every rank (a collective).
     ConfigError on every rank if the conversion failed."""
+    if is_main:  # before anything else, the same world size too: the space it holds is freed
+        for leftover in checkpoint.glob(TMP_PREFIX + "*"):
+            say(f"removing an interrupted conversion of {checkpoint.name} ({leftover})")
+            shutil.rmtree(leftover, ignore_errors=True)
     if saved_world_size == world_size:
         return None
     outcome = _convert_once(checkpoint, tag, timeout_s=timeout_s) if is_main else None
@@ -126,8 +132,6 @@ def _convert_once(checkpoint: Path, tag: str, *, timeout_s: float) -> tuple[str,
     started = time.perf_counter()
     tmp = checkpoint / f"{TMP_PREFIX}{os.getpid()}"
     try:
-        for leftover in checkpoint.glob(TMP_PREFIX + "*"):  # a conversion that was killed
-            shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir()
         _run_converter(checkpoint / tag, tmp / tag, timeout_s=timeout_s * TIMEOUT_SHARE)
         if not (tmp / DONE_MARKER).is_file():
