@@ -152,6 +152,25 @@ class Diagnosis:
         }
 
 
+@dataclass
+class Outcome:
+    """How one attempt ended."""
+
+    code: int
+    """The cause's own exit code (failure.Diagnosis.code), 0 when done."""
+    kind: str
+    """done | failed | interrupted | locked | start_failed | watch_failed"""
+    hosts: list[str] = field(default_factory=list)
+    """The hosts to blame (the cause's host; a stall's hosts that were behind)."""
+    reason: str = ""
+    restartable: bool = False
+    latest_checkpoint: str = ""
+    lost: list[str] = field(default_factory=list)
+    """Hosts confirmed lost: they stopped answering while their peers failed, past the grace, or at
+    their probe (restarts.py leaves them out with --exclude-failed)."""
+    diagnosis: Diagnosis | None = None
+
+
 def _reported_lost(hs: HostState, now: float) -> float | None:
     """When `hs` stopped answering, if it has not answered since (a miss, the grace passed, the start's
     or the stop's connection failing); None while it answers."""

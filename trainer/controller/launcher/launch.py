@@ -40,14 +40,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
 from trainer import exitcodes
 from trainer.controller.access import configure_access
 from trainer.controller.inventory import Cluster, InventoryError, load_cluster
-from trainer.controller.launcher.failure import Diagnosis, diagnose, render
+from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
 from trainer.controller.launcher.launchfiles import launch_files
 from trainer.controller.launcher.live import JobMonitor, LiveView
 from trainer.controller.launcher.plan import (
@@ -185,25 +185,6 @@ class WatchOptions:
         """How long a probe, check, start or stop may take on a node (beyond a stop's grace): a node
         that takes longer is named as not answering, and the launch goes on without waiting for it."""
         return min(60.0, max(10.0, self.unreachable_grace_s / 2))
-
-
-@dataclass
-class Outcome:
-    """How one attempt ended."""
-
-    code: int
-    """The cause's own exit code (failure.Diagnosis.code), 0 when done."""
-    kind: str
-    """done | failed | interrupted | locked | start_failed | watch_failed"""
-    hosts: list[str] = field(default_factory=list)
-    """The hosts to blame (the cause's host; a stall's hosts that were behind)."""
-    reason: str = ""
-    restartable: bool = False
-    latest_checkpoint: str = ""
-    lost: list[str] = field(default_factory=list)
-    """Hosts confirmed lost: they stopped answering while their peers failed, past the grace, or at
-    their probe (restarts.py leaves them out with --exclude-failed)."""
-    diagnosis: Diagnosis | None = None
 
 
 class Launcher:

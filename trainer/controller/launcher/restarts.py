@@ -1,5 +1,5 @@
 """The restart policy of a launch (--max-restarts, --exclude-failed, --allow-batch-change), above the
-Launcher, which runs one attempt (probe, start, follow, stop) and says how it ended (launch.Outcome,
+Launcher, which runs one attempt (probe, start, follow, stop) and says how it ended (failure.Outcome,
 with failure.Diagnosis: the cause and its consequences).
 
 After a failed attempt, in this order:
@@ -25,17 +25,17 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rich.markup import escape
 
 from trainer import exitcodes
 from trainer.controller.inventory import InventoryError
+from trainer.controller.launcher.failure import Outcome
 from trainer.controller.launcher.plan import JobPlan, PlanError
 from trainer.controller.launcher.topology import TopologyError
 
 if TYPE_CHECKING:
-    from trainer.controller.launcher.launch import Launcher, Outcome
     from trainer.controller.launcher.live import LiveView
 
 #: make_plan again without some hosts and with more --set (launch.replanner).
@@ -72,10 +72,34 @@ def nearest_batch(effective: int, micro_batch_size: int, world: int) -> BatchSpl
     return BatchSplit(micro_batch_size, accumulation, world)
 
 
+class Attempts(Protocol):
+    """What the policy needs of launch.Launcher: one attempt at a time, a new plan, the run's lock."""
+
+    plan: JobPlan
+
+    def attempt(
+        self,
+        view: LiveView,
+        record: dict[str, Any],
+        *,
+        policy: dict[str, Any] | None = None,
+        final: bool = True,
+        leave_lost: bool = False,
+    ) -> Outcome: ...
+
+    def use_plan(self, plan: JobPlan) -> None: ...
+
+    def new_launch(self) -> None: ...
+
+    def take_over_lock(self, view: LiveView) -> int | None: ...
+
+    def release_lock(self, view: LiveView) -> None: ...
+
+
 class RestartPolicy:
     def __init__(
         self,
-        launcher: Launcher,
+        launcher: Attempts,
         view: LiveView,
         *,
         max_restarts: int = 0,
