@@ -111,8 +111,8 @@ def test_a_command_exiting_3_on_node_2_stops_every_node_and_is_named(testbed):
         "exec python -c 'import time; time.sleep(900)'"
     )
     rc, out = run_launch(launch(inventory, run_name, "--", "bash", "-c", gives_up), timeout=600)
-    assert rc == 1, out
-    assert "first failure on host ct-worker2 (node 2" in out and "exit code 3" in out, out
+    assert rc == 3, "the command's own exit code, the cause's"
+    assert "failed: ct-worker2 (node 2) exited with code 3" in out, out
     assert "node 2: giving up" in out
     for rank, host in enumerate(HOSTS):
         assert launch_pids(host, output / "launch" / f"node-{rank}") == [], f"{host} still runs the command"

@@ -112,6 +112,8 @@ class Diagnosis:
         if cause.kind == "lost":
             step = f" at step {self.at_step}" if self.at_step is not None else ""
             return f"{cause.host} (node {cause.node_rank}) was lost{step}: {cause.message}"
+        if cause.message == f"exit code {cause.code}":  # no rank said more (a user's command)
+            return f"{cause.where} exited with code {cause.code}"
         return f"{cause.message} ({cause.where}, exit code {cause.code})"
 
     def consequence_text(self, event: Event) -> str:
