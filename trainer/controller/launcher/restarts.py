@@ -238,6 +238,11 @@ class RestartPolicy:
             "excluded": sorted(self.excluded),
             "resume_from": self.latest_checkpoint,
             "changes": changes,
+            "batch": batch,
+            "micro_batch_size": self.plan.micro_batch_size if self.plan.runs_bundled_trainer else None,
+            "gradient_accumulation_steps": (
+                self.plan.gradient_accumulation_steps if self.plan.runs_bundled_trainer else None
+            ),
             "restart_used": not free,
             "nodes": self._nodes(),
         }
