@@ -48,6 +48,9 @@ STATE_FILE = "clustertrain_state.json"
 #: The name older versions of this trainer wrote; their checkpoints still resume and export.
 LEGACY_STATE_FILES = ("trainer_state.json",)
 TMP_PREFIX = ".tmp-"
+#: DeepSpeed's universal copy of a step (engines/ds_universal.py, made when a run resumes it at another
+#: world size) lives inside it under this name: part of the step's disk usage, not of the next step's.
+UNIVERSAL_DIR = "universal"
 DELAY_ENV = "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S"
 DELAY_STEP_ENV = "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_STEP"
 #: Version of the RNG file layout (rng_state); older trainers pickled numpy objects instead.
@@ -530,7 +533,8 @@ def space_problem(
     previous = latest_checkpoint(directory)
     if previous is None:
         return None
-    needed, free = disk_usage(previous), free_bytes(directory)
+    needed = disk_usage(previous) - disk_usage(previous / UNIVERSAL_DIR)
+    free = free_bytes(directory)
     if free >= needed:
         return None
     if save_total_limit > 0:

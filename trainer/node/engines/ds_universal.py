@@ -55,8 +55,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.configerror import ConfigError
+from trainer.node.checkpoint import UNIVERSAL_DIR
 
-UNIVERSAL = "universal"
+UNIVERSAL = UNIVERSAL_DIR
 TMP_PREFIX = ".tmp-universal-"
 DELAY_ENV = "TRAINER_TEST_UNIVERSAL_DELAY_S"
 DUMP_ENV = "TRAINER_TEST_OPTIMIZER_DUMP"
