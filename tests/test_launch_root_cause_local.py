@@ -122,6 +122,12 @@ def test_a_node_that_stops_answering_while_its_peers_fail_is_the_cause_and_lost(
     base = time.time()
     monitor.on_message({"type": "miss", "host": "w2", "since": base, "error": "ssh: connect timed out"})
     assert not monitor.must_stop, "a missed poll alone waits for the grace"
+    broken = "trainer: rank 1 stopped: another rank failed first ([pair.cc:553] Connection closed by peer)"
+    monitor.apply(monitor.hosts["w1"], {"state": "running", "lines": [broken]})
+    assert monitor.must_stop, "a peer's broken collective confirms the loss before its torchrun ends"
+    early = diagnose(monitor, now=base + 1.0)
+    assert early is not None and early.cause.kind == "lost" and early.cause.host == "w2"
+    assert early.running == ["head", "w1"], "the others are stopped because of it"
     reset = "RuntimeError: [pair.cc:553] Read error: Connection reset by peer"
     for host, rank, at in (("w1", 1, base + 1.7), ("head", 0, base + 1.8)):
         record = {"rank": rank, "code": 1, "message": reset, "consequence": False, "time": at}

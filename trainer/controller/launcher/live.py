@@ -442,9 +442,17 @@ class JobMonitor:
 
     @property
     def must_stop(self) -> bool:
-        """Stop every node now: a stall; a failure that is a cause (not only a broken collective); or
-        one that is, once its cause showed (a node that does not answer) or CONFIRM_S passed."""
+        """Stop every node now: a stall; a node that does not answer while a peer logs that its
+        collective broke; a failure that is a cause (not only a broken collective); or one that is,
+        once its cause showed (a node that does not answer) or CONFIRM_S passed."""
         if self.stall is not None:
+            return True
+        missing = [hs for hs in self.hosts.values() if hs.missing_since is not None and not hs.final]
+        if missing and any(
+            "peer_lost" in hs.all_text_flags for hs in self.hosts.values() if hs.missing_since is None
+        ):
+            # A node that stopped answering while its peers say their collectives broke is gone: no
+            # need to wait for the peers' torchrun to tear down (seconds) or for the grace.
             return True
         failed = [hs for hs in self.hosts.values() if hs.failed]
         if not failed:
