@@ -12,7 +12,7 @@ and in the nodes' known_hosts, ufw's rules, chrony's drop-in and sources, the tr
 venv, the DeepSpeed ops built ahead), and every service the roles enable starts with systemd: ssh,
 chrony, ufw, rpcbind (and nfs-ganesha on the head). It gets its address again, and the bind-mounted
 shared dir. What takes a moment: systemd's boot, sshd's start, and chronyd's first exchange with the
-head (synchronised again 2 to 4 s after `podman start` on a loaded machine). `trainer preflight
+head (synchronised again 2.9 to 4.9 s after `podman start`, load 4 to 12). `trainer preflight
 --skip deepspeed bandwidth` passes on the restarted bed with no other step. `restore_node` checks each
 of these rather than assuming them, and names what is missing. A killed node's processes are gone with
 it, so no trainer of an earlier launch runs there afterwards; its node dir on the shared dir keeps
