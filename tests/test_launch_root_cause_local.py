@@ -18,7 +18,7 @@ from test_launch_local import loopback_cluster as _loopback_cluster  # noqa: F40
 
 from trainer import exitcodes
 from trainer.controller.launcher.failure import diagnose
-from trainer.controller.launcher.live import JobMonitor, LiveView
+from trainer.controller.launcher.live import SILENT_LOSS_S, JobMonitor, LiveView
 
 
 @pytest.mark.slow
@@ -146,6 +146,27 @@ def test_a_node_that_stops_answering_while_its_peers_fail_is_the_cause_and_lost(
         "rank 1 on w1 (node 1): its collective failed after w2 was lost (exit code 1)"
     )
     assert diagnosis.restartable and not diagnosis.head_lost
+
+
+def test_a_node_gone_silently_is_lost_once_no_rank_advances_not_after_the_grace():
+    """A node that vanishes without resetting its peers' connections (they wait in a collective): it does
+    not answer and no rank advances for SILENT_LOSS_S (or twice the longest pause seen), so it is lost
+    well before the 60 s grace. A node that only misses polls while the ranks go on stays unreachable."""
+    monitor = JobMonitor({"head": 0, "w1": 1}, "head", LiveView(), unreachable_grace_s=300)
+    for step in (1, 2):
+        for host, rank in (("head", 0), ("w1", 1)):
+            report = {"state": "running", "progress": [{"rank": rank, "started": step, "done": step - 1}]}
+            monitor.apply(monitor.hosts[host], report)
+    since = time.time() - (SILENT_LOSS_S + 5)
+    monitor.on_message({"type": "miss", "host": "w1", "since": since, "error": "ssh: connection timed out"})
+    monitor.check_time()
+    assert monitor.hosts["w1"].state == "running" and not monitor.must_stop, "the ranks advanced just now"
+    monitor.last_progress_at -= SILENT_LOSS_S + 5  # ...and then none advanced since it went missing
+    monitor.check_time()
+    assert monitor.hosts["w1"].state == "lost" and monitor.must_stop
+    diagnosis = diagnose(monitor)
+    assert diagnosis is not None and diagnosis.cause.kind == "lost" and diagnosis.cause.host == "w1"
+    assert "while no rank advanced" in diagnosis.summary, diagnosis.summary
 
 
 def test_a_broken_collective_alone_waits_for_its_cause_then_bad_input_is_not_restartable():

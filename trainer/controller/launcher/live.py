@@ -43,6 +43,10 @@ LAST_LINES = 40
 #: up to this long for its cause (a node's missed poll, a peer's own exit) before it stops every node.
 #: A healthy node answers a poll within --poll-interval; a vanished one fails its poll about as fast.
 CONFIRM_S = 4.0
+#: A node that does not answer while no rank advances for this long (or twice the longest pause the
+#: run has shown, if more) is lost before the unreachable grace: it vanished without resetting its
+#: peers' connections, and they wait in a collective.
+SILENT_LOSS_S = 30.0
 
 FINAL_STATES = ("done", "failed", "stopped", "lost")
 STATE_STYLES = {"failed": "red", "lost": "red", "done": "green", "stopped": "yellow"}
@@ -261,6 +265,8 @@ class JobMonitor:
         self.stall: Stall | None = None
         self.stalled_at: float | None = None
         self.last_progress_at = time.monotonic()
+        #: The longest wait between two progress changes seen so far (a checkpoint write, an eval).
+        self.longest_progress_gap_s = 0.0
         self._progress_key: tuple = ()
         # The bundled trainer's watchdog starts with its first rank's progress record (written once
         # the process group is up): loading a model or building DeepSpeed ops may take long before.
@@ -327,8 +333,13 @@ class JobMonitor:
                 for rank, r in sorted(h.progress.items())
             )
             if key != self._progress_key:
+                now = time.monotonic()
+                if self.watchdog_armed:
+                    self.longest_progress_gap_s = max(
+                        self.longest_progress_gap_s, now - self.last_progress_at
+                    )
                 self._progress_key = key
-                self.last_progress_at = time.monotonic()
+                self.last_progress_at = now
                 self.watchdog_armed = bool(key)
         if hs.host == self.rank0_host:
             for line in lines:
@@ -378,6 +389,17 @@ class JobMonitor:
                 hs.miss_error = f"no answer for {now - hs.missing_since:.0f} s: {hs.miss_error}".rstrip(": ")
                 self.mark_lost(hs)
         silent = time.monotonic() - self.last_progress_at
+        # A node gone silently (no reset connections: its peers wait in their collective instead of
+        # failing): it does not answer and no rank has advanced since, for longer than any pause this
+        # run has shown (a checkpoint write). Lost then, before the unreachable grace.
+        quiet_s = max(SILENT_LOSS_S, 2 * self.longest_progress_gap_s)
+        if self.progress_from_steps and self.watchdog_armed and silent > quiet_s:
+            for hs in self.hosts.values():
+                if hs.missing_since is not None and not hs.final and now - hs.missing_since > quiet_s:
+                    waited = now - hs.missing_since
+                    hs.miss_error = f"no answer for {waited:.0f} s while no rank advanced: {hs.miss_error}"
+                    hs.miss_error = hs.miss_error.rstrip(": ")
+                    self.mark_lost(hs)
         if (
             self.stall_timeout_s
             and self.watchdog_armed
