@@ -44,10 +44,10 @@ def run_env(tmp_path: Path) -> dict[str, str]:
     return dict(os.environ, TMPDIR=str(tmp))
 
 
-def flaky_venv(tmp_path: Path, inventory: Path, mode: str) -> Path:
-    """Give node1 a venv whose python fails (mode "fail") or hangs (mode "hang") while the returned
+def flaky_venv(tmp_path: Path, inventory: Path, mode: str, host: str = "node1") -> Path:
+    """Give `host` a venv whose python fails (mode "fail") or hangs (mode "hang") while the returned
     flag file exists."""
-    flag = tmp_path / f"node1-{mode}"
+    flag = tmp_path / f"{host}-{mode}"
     venv = tmp_path / "flaky-venv"
     (venv / "bin").mkdir(parents=True)
     action = "exit 255" if mode == "fail" else "sleep 0.2"
@@ -60,7 +60,9 @@ def flaky_venv(tmp_path: Path, inventory: Path, mode: str) -> Path:
     for name in ("torchrun", "trainer"):
         (venv / "bin" / name).symlink_to(VENV / "bin" / name)
     hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
-    hosts["cluster"]["children"]["workers"]["hosts"]["node1"]["training_venv"] = str(venv)
+    for group in hosts["cluster"]["children"].values():
+        if host in (group.get("hosts") or {}):
+            group["hosts"][host]["training_venv"] = str(venv)
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
     return flag
 
@@ -355,6 +357,43 @@ def test_a_lost_node_is_left_out_at_once_and_the_survivor_finishes_like_a_run_st
     straight = json.loads((reference / "summary.json").read_text())
     assert straight["final_step"] == 24 and straight["resumed_from"], straight
     assert summary["final_loss"] == straight["final_loss"], (summary["final_loss"], straight["final_loss"])
+
+
+def test_a_lost_head_is_said_plainly_with_what_to_run_once_it_is_back(loopback, tmp_path):
+    """The head (rank 0, the master, the shared dir's server) vanishes: no restart can go on without
+    it, even with --exclude-failed; the launcher names it and the command to run once it is back."""
+    inventory, shared = loopback
+    flag = flaky_venv(tmp_path, inventory, "fail", host="node0")
+    env = run_env(tmp_path)
+    run = shared / "runs" / "headloss"
+    launcher = subprocess.Popen(
+        launch_command(
+            inventory, "--run-name", "headloss", "--max-restarts", "2", "--exclude-failed",
+            "--set", "train.max_steps=2000", *TINY,
+        ),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
+        victims = wait_for(lambda: _trainer_pids(run / "launch" / "node-0"), "node0 trainer", proc=launcher)
+        flag.touch()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        flag.unlink(missing_ok=True)
+        subprocess.run(launch_command(inventory, "--run-name", "headloss", "--stop"), env=env, timeout=300)
+    assert launcher.returncode == exitcodes.NODE_LOST, out
+    assert "failed: node0 (node 0) was lost at step " in out, out
+    assert (
+        "not restarted: the head node0 (rank 0, the master and the server of the shared dir) was lost; the "
+        f"run cannot go on without it. Once node0 is back, run `trainer launch -i {inventory} --run-name "
+        "headloss` with this launch's options: it resumes from the latest complete checkpoint" in out
+    ), out
+    assert "restart 1 of 2" not in out, out
+    assert _trainer_pids(run / "launch" / "node-1") == [], "node1's trainer was stopped"
 
 
 def test_sighup_stops_every_node(loopback, tmp_path):
