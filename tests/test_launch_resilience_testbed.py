@@ -148,14 +148,16 @@ def test_a_killed_worker_trainer_restarts_from_its_checkpoint_with_the_same_fina
         summary = json.loads((output / "summary.json").read_text())
         straight = json.loads((reference / "summary.json").read_text())
         assert summary["resumed_from"] and summary["final_step"] == straight["final_step"] == 40
-        # The same loss to 7 digits, not to the bit. Most likely cause: with three ranks, gloo's ring
+        # The same loss to 5 digits, not to the bit. Most likely cause: with three ranks, gloo's ring
         # allreduce adds each gradient element's three terms in an order set by where the element falls
         # in DDP's buckets, and a restarted process starts from the default buckets where the
-        # uninterrupted one had rebuilt them, so one rank's loss can differ in the last float32 bit
-        # (seen once on the bed: 3.0046462218 vs 3.0046463013; the rerun matched). A wrong resume
-        # differs in the second or third digit. The 2-rank loopback test (a sum of two terms has one
-        # order) still compares exactly.
-        assert math.isclose(summary["final_loss"], straight["final_loss"], rel_tol=1e-7, abs_tol=0), (
+        # uninterrupted one had rebuilt them, so the last float32 bits differ and the difference grows
+        # with the steps trained after the restart (seen on the bed: 3.0046462218 vs 3.0046463013, and
+        # 3.0131282012 vs 3.0131258965 after a restart from step-4, 7.6e-7 relative). A wrong resume
+        # (a step's data or state off) differs in the second or third digit. The 2-rank tests (a sum of
+        # two terms has one order: the loopback restart, the bed's node loss on the two survivors) still
+        # compare exactly.
+        assert math.isclose(summary["final_loss"], straight["final_loss"], rel_tol=1e-5, abs_tol=0), (
             summary["final_loss"],
             straight["final_loss"],
         )
