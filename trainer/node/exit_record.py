@@ -34,10 +34,6 @@ def note(message: str, *, consequence: bool = False) -> None:
         _reason = (first[:500], consequence)
 
 
-def noted() -> tuple[str, bool] | None:
-    return _reason
-
-
 def write(code: int) -> None:
     """This rank's exit record, when it ends with a non-zero code under `trainer launch`."""
     global _reason

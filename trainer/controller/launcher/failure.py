@@ -27,7 +27,15 @@ from typing import Any
 from rich.markup import escape
 
 from trainer import exitcodes
-from trainer.controller.launcher.live import HostState, JobMonitor, LiveView, describe, last_frame, printable
+from trainer.controller.launcher.live import (
+    HostState,
+    JobMonitor,
+    LiveView,
+    describe,
+    exit_is_consequence,
+    last_frame,
+    printable,
+)
 from trainer.peer_loss import is_peer_loss
 
 #: Exit codes of the bundled trainer that a restart would only repeat: config, data, sizing, a full disk
@@ -177,7 +185,7 @@ def _reported_lost(hs: HostState, now: float) -> float | None:
     """When `hs` stopped answering, if it has not answered since (a miss, the grace passed, the start's
     or the stop's connection failing); None while it answers."""
     if hs.state == "lost":
-        return hs.lost_since or hs.exit_time or now
+        return hs.lost_since or now
     if hs.missing_since is not None and not hs.final:
         return hs.missing_since
     return None
@@ -209,7 +217,7 @@ def host_events(hs: HostState, ranks: range | None, now: float) -> list[Event]:
                 int(record.get("code") or exitcodes.FAILURE),
                 message,
                 rank,
-                consequence=bool(record.get("consequence")) or is_peer_loss(message),
+                consequence=exit_is_consequence(record),
                 detail=_error_detail(error),
             )
         )
@@ -320,10 +328,8 @@ def diagnose(monitor: JobMonitor, *, bundled: bool = True, now: float | None = N
         for hs in monitor.hosts.values()
         if any(e.kind == "lost" and e.host == hs.host for e in events)
     ]
-    if cause.kind == "lost" or any(e.kind == "lost" for e in events):
-        # A node that stopped answering while its peers failed is gone, not merely slow: say so.
-        for host in lost:
-            monitor.mark_lost(monitor.hosts[host])
+    for host in lost:  # a node that stopped answering while its peers failed is gone, not merely slow
+        monitor.mark_lost(monitor.hosts[host])
     consequences = sorted((e for e in events if e is not cause), key=lambda e: (e.time, e.node_rank))
     named = {e.host for e in events}
     running = [hs.host for hs in monitor.hosts.values() if not hs.final and hs.host not in named]

@@ -591,26 +591,21 @@ class Launcher:
             )
             view.states(monitor.ordered)
         diagnosis = diagnose(monitor, bundled=plan.runs_bundled_trainer)
-        latest = next(
-            (
-                str(item.result.get("latest_checkpoint") or "")
-                for item in stopped.ok.get(topo.head.host, [])
-                if item.task == STOP_TASK
-            ),
-            "",
-        )
+        # Each host's stop report: the head's names the latest checkpoint; a stall's carry the stacks.
+        reports = {
+            host: item.result
+            for host, items in stopped.ok.items()
+            for item in items
+            if item.task == STOP_TASK
+        }
+        latest = str(reports.get(topo.head.host, {}).get("latest_checkpoint") or "")
         self._report_stop_problems(stopped, view, skipped=sorted(skipped))
         if diagnosis is None:
             view.message("[red]trainer launch: watching the trainer failed[/red]")
             return Outcome(
                 exitcodes.FAILURE, "watch_failed", [], "watching the trainer failed", latest_checkpoint=latest
             )
-        stacks = {
-            host: item.result.get("stacks") or {}
-            for host, items in stopped.ok.items()
-            for item in items
-            if item.task == STOP_TASK
-        }
+        stacks = {host: report.get("stacks") or {} for host, report in reports.items()}
         stopped_in = (
             f" {time.time() - monitor.failed_at:.1f} s after the failure" if monitor.failed_at else ""
         )
@@ -667,28 +662,31 @@ class Launcher:
     ) -> Outcome:
         """A probe or start step failed on some node. One that could not be reached at all is lost
         (restarts.py leaves it out with --exclude-failed); any other failure is the job's."""
-        unreachable = list(dict.fromkeys(h for h, _, _, n in failures if n == "runner_on_unreachable"))
+        # Each unreachable host with its first error's text.
+        unreachable: dict[str, str] = {}
+        for failed_host, _, failed_text, name in failures:
+            if name == "runner_on_unreachable":
+                unreachable.setdefault(failed_host, failed_text)
         host, task, text, _ = next((f for f in failures if f[0] not in unreachable), failures[0])
-        for lost in unreachable:
-            monitor.on_unreachable(lost, next(t for h, _, t, _ in failures if h == lost))
-            first_line = next(t for h, _, t, _ in failures if h == lost).splitlines()[0][:200]
-            view.message(f"[red]{lost} does not answer[/red] ({first_line}): it is lost")
+        for lost, lost_text in unreachable.items():
+            monitor.on_unreachable(lost, lost_text)
+            view.message(f"[red]{lost} does not answer[/red] ({lost_text.splitlines()[0][:200]}): it is lost")
         reachable_failure = host not in unreachable
         if reachable_failure:
             view.message(f"[red]trainer launch: could not start on {host}[/red] ({task}): {text}")
         if started:
             view.message("stopping the nodes that had started")
-            record = {"why": "start_failed", "detail": text, "hosts": [host], "lost": unreachable}
+            record = {"why": "start_failed", "detail": text, "hosts": [host], "lost": list(unreachable)}
             self.stop(record={**self._stop_record(None), **record}, skip=set(unreachable))
         return Outcome(
-            exitcodes.FAILURE if reachable_failure or not unreachable else exitcodes.NODE_LOST,
+            exitcodes.FAILURE if reachable_failure else exitcodes.NODE_LOST,
             "start_failed",
-            [host] if reachable_failure else unreachable,
+            [host] if reachable_failure else list(unreachable),
             f"could not start on {host}: {text.splitlines()[0][:200] if text else task}"
             if reachable_failure
             else f"{', '.join(unreachable)} did not answer its probe",
             restartable=not reachable_failure,
-            lost=[] if reachable_failure else unreachable,
+            lost=[] if reachable_failure else list(unreachable),
         )
 
     def _report_stop_problems(self, stopped: PlaybookResult, view: LiveView, skipped: list[str] = ()) -> None:

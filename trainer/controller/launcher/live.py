@@ -98,9 +98,7 @@ class HostState:
         if self.state != "failed":
             return False
         if self.rank_exits:
-            return all(
-                r.get("consequence") or is_peer_loss(str(r.get("message") or "")) for r in self.rank_exits
-            )
+            return all(exit_is_consequence(record) for record in self.rank_exits)
         return "peer_lost" in self.all_text_flags and "signaled" not in self.all_text_flags
 
     @property
@@ -120,6 +118,11 @@ class HostState:
             if (signaled := TORCHRUN_SIGNALED.match(line)) and self.killed_by is None:
                 self.all_text_flags.add("signaled")
                 self.killed_by = int(signaled.group(1))
+
+
+def exit_is_consequence(record: dict[str, Any]) -> bool:
+    """A rank's exit record (trainer.node.exit_record) that says it failed because a peer went away."""
+    return bool(record.get("consequence")) or is_peer_loss(str(record.get("message") or ""))
 
 
 class LiveView:
@@ -481,16 +484,9 @@ class JobMonitor:
             return False
         if any(not hs.only_consequence for hs in failed):
             return True
-        missing = any(hs.missing_since is not None for hs in self.hosts.values() if not hs.final)
         waiting = [hs for hs in self.hosts.values() if not hs.final]
-        return missing or not waiting or time.time() - (self.failed_at or 0.0) >= CONFIRM_S
+        return bool(missing) or not waiting or time.time() - (self.failed_at or 0.0) >= CONFIRM_S
 
     @property
     def all_done(self) -> bool:
         return all(hs.state == "done" for hs in self.hosts.values())
-
-    def gpu_fault(self) -> tuple[HostState, dict[str, str]] | None:
-        for hs in self.hosts.values():
-            if hs.gpu_fault:
-                return hs, hs.gpu_fault
-        return None

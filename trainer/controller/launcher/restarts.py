@@ -210,8 +210,9 @@ class RestartPolicy:
             return None
         if not self.max_restarts:
             return None
-        # A probe that failed at a restart is a node loss to leave out, not a failure of the job.
-        free = outcome.kind == "start_failed" and bool(lost) and set(lost) <= set(leave_out)
+        # A probe that failed at a restart is a node loss to leave out (every lost node is, here), not a
+        # failure of the job.
+        free = outcome.kind == "start_failed" and bool(lost)
         if not free and self.restarts >= self.max_restarts:
             view.message(f"not restarted: all {self.max_restarts} restart(s) used (--max-restarts)")
             return None
