@@ -29,7 +29,7 @@ import shutil
 import pytest
 import torch
 from finetune_harness import chat_data, hf_cache, tiny_model  # noqa: F401
-from trainer_harness import finish, kill_job, start_run, stopped_after, wait_for
+from trainer_harness import RESIZE_GPT, finish, kill_job, start_run, stopped_after, wait_for
 
 from trainer.configerror import ConfigError
 from trainer.node.checkpoint import STATE_FILE, check_resumable, resume_fingerprint
@@ -37,16 +37,7 @@ from trainer.node.config import load_config
 
 slow = pytest.mark.slow  # real multi-process DeepSpeed runs: every test here but the first
 
-#: 8 steps of 4 samples × 2 processes × 3 micro-batches (effective batch 24), checkpoints at 4 and 8,
-#: dropout off (a rank's dropout masks depend on its rank: another split would change the loss).
-GPT = [
-    "train.max_steps=8",
-    "train.log_every=1",
-    "train.micro_batch_size=4",
-    "train.gradient_accumulation_steps=3",
-    "checkpoint.save_steps=4",
-    "model.dropout=0",
-]
+GPT = RESIZE_GPT
 #: The effective batch 24 on 1, 2 and 3 processes: processes -> accumulation.
 ACCUMULATION = {1: 6, 2: 3, 3: 2}
 #: Relative loss difference allowed after resuming (measured: below 1e-7; ZeRO-3's shared Adam step

@@ -67,6 +67,11 @@ def flaky_venv(tmp_path: Path, inventory: Path, mode: str, host: str = "node1") 
     return flag
 
 
+def background(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """A launcher (or attach) in the background; its output, stdout and stderr together, read at its end."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
 def wait_for(predicate, what: str, timeout: float = 300, proc: subprocess.Popen | None = None):
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
@@ -86,14 +91,11 @@ def test_a_node_that_stops_answering_for_less_than_the_grace_does_not_stop_the_r
     inventory, shared = loopback
     flag = flaky_venv(tmp_path, inventory, "fail")
     run = shared / "runs" / "blip"
-    launcher = subprocess.Popen(
+    launcher = background(
         launch_command(
             inventory, "--run-name", "blip", "--unreachable-grace", "30", "--set", "train.max_steps=60", *TINY
         ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=run_env(tmp_path),
+        run_env(tmp_path),
     )
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
@@ -117,7 +119,7 @@ def test_a_node_silent_past_the_grace_stops_every_node_and_is_named(loopback, tm
     flag = flaky_venv(tmp_path, inventory, "hang")
     run = shared / "runs" / "lost"
     env = run_env(tmp_path)
-    launcher = subprocess.Popen(
+    launcher = background(
         launch_command(
             inventory,
             "--run-name",
@@ -130,10 +132,7 @@ def test_a_node_silent_past_the_grace_stops_every_node_and_is_named(loopback, tm
             "train.max_steps=2000",
             *TINY,
         ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+        env,
     )
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
@@ -206,12 +205,8 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_ends_like_an_unin
     )
     assert reference.returncode == 0, reference.stdout + reference.stderr
     run = shared / "runs" / "restarted"
-    launcher = subprocess.Popen(
-        launch_command(inventory, "--run-name", "restarted", "--max-restarts", "1", *steps),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+    launcher = background(
+        launch_command(inventory, "--run-name", "restarted", "--max-restarts", "1", *steps), env
     )
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
@@ -307,12 +302,9 @@ def test_a_lost_node_is_left_out_at_once_and_the_survivor_finishes_like_a_run_st
     run = shared / "runs" / "survive"
     # Every checkpoint kept: the one the restart resumed from is copied for the reference run.
     steps = ["--set", "train.max_steps=24", "--set", "checkpoint.save_total_limit=0", *TINY]
-    launcher = subprocess.Popen(
+    launcher = background(
         launch_command(inventory, "--run-name", "survive", "--max-restarts", "1", "--exclude-failed", *steps),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+        env,
     )
     try:
         wait_for(lambda: (run / "checkpoints" / "step-6").exists(), "checkpoint step-6", proc=launcher)
@@ -366,12 +358,12 @@ def test_a_lost_head_is_said_plainly_with_what_to_run_once_it_is_back(loopback, 
     flag = flaky_venv(tmp_path, inventory, "fail", host="node0")
     env = run_env(tmp_path)
     run = shared / "runs" / "headloss"
-    launcher = subprocess.Popen(
+    launcher = background(
         launch_command(
             inventory, "--run-name", "headloss", "--max-restarts", "2", "--exclude-failed",
             "--set", "train.max_steps=2000", *TINY,
         ),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        env,
     )  # fmt: skip
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
@@ -399,12 +391,9 @@ def test_a_lost_head_is_said_plainly_with_what_to_run_once_it_is_back(loopback, 
 def test_sighup_stops_every_node(loopback, tmp_path):
     inventory, shared = loopback
     run = shared / "runs" / "hup"
-    launcher = subprocess.Popen(
+    launcher = background(
         launch_command(inventory, "--run-name", "hup", "--set", "train.max_steps=400", *TINY),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=run_env(tmp_path),
+        run_env(tmp_path),
     )
     try:
         for line in launcher.stdout:
@@ -483,12 +472,9 @@ def test_attach_restarts_a_failed_run_within_the_launchs_max_restarts(loopback, 
     finally:
         launcher.kill()  # -9: the launch's --max-restarts 1 is left to attach
         launcher.wait()
-    attach = subprocess.Popen(
+    attach = background(
         [sys.executable, "-m", "trainer", "attach", "-i", str(inventory), "--run-name", "adopted"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+        env,
     )
     try:
         lock = run / "launch" / "lock"
@@ -549,12 +535,9 @@ def test_a_long_watch_writes_no_event_files_and_keeps_flat_memory(loopback, tmp_
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
     env = run_env(tmp_path)
     command = ["bash", "-c", "for i in $(seq 1 150); do echo line $i; sleep 1; done"]
-    launcher = subprocess.Popen(
+    launcher = background(
         [*launch_command(inventory, "--run-name", "long", "--poll-interval", "0.02"), "--", *command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+        env,
     )
     calls = tmp_path / "python-calls"
     files, rss = [], []

@@ -18,6 +18,7 @@ import shutil
 import pytest
 from finetune_harness import chat_data, hf_cache, tiny_model  # noqa: F401
 from trainer_harness import (
+    RESIZE_GPT,
     finish,
     sample_log,
     sample_log_env,
@@ -28,16 +29,7 @@ from trainer_harness import (
 
 pytestmark = pytest.mark.slow  # real multi-process training runs
 
-#: 8 steps of 4 samples × 2 processes × 3 micro-batches (E = 24), checkpoints at 4 and 8. Dropout off:
-#: a rank's dropout masks depend on its rank, so another split across ranks would change the loss.
-GPT = [
-    "train.max_steps=8",
-    "train.log_every=1",
-    "train.micro_batch_size=4",
-    "train.gradient_accumulation_steps=3",
-    "checkpoint.save_steps=4",
-    "model.dropout=0",
-]
+GPT = RESIZE_GPT
 #: The effective batch 24 on 1 and 3 processes: (processes, accumulation).
 RESUMED_ON = {1: 6, 3: 2}
 #: Relative difference allowed between the losses of a run resumed at another world size and the

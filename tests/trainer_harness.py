@@ -29,6 +29,17 @@ QUICK = [
     "train.micro_batch_size=8",
     "checkpoint.save_steps=10",
 ]
+#: The resume-at-another-world-size runs (test_resume_world_size, test_ds_resize): 8 steps of 4 samples
+#: × 2 processes × 3 micro-batches (effective batch 24), checkpoints at 4 and 8. Dropout off: a rank's
+#: dropout masks depend on its rank, so another split across ranks would change the loss.
+RESIZE_GPT = [
+    "train.max_steps=8",
+    "train.log_every=1",
+    "train.micro_batch_size=4",
+    "train.gradient_accumulation_steps=3",
+    "checkpoint.save_steps=4",
+    "model.dropout=0",
+]
 #: DeepSpeed's first start on a machine compiles a small op (about a minute) before it trains.
 TIMEOUT_S = 420
 
