@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "write the same job as a Slurm (or PBS) batch script; contacts and starts nothing",
     ),
     "preflight": ("trainer.controller.preflight.cli", "check a cluster before launching and name the fixes"),
+    "up": (
+        "trainer.controller.up",
+        "from bare hosts to training in one command: provision (site.yml), preflight's probe pass, launch",
+    ),
     "export": (
         "trainer.node.hf.export",
         "a Hugging Face model directory from a fine-tuning run or checkpoint",

@@ -163,12 +163,27 @@ def configure_access(args: argparse.Namespace) -> Access:
     inventory loader use it. The files are checked when the inventory is loaded (an error there is
     an inventory error: exit 2, nothing touched)."""
     global _current
-    _current = Access(
+    given = Access(
         ask_become_pass=bool(getattr(args, "ask_become_pass", False)),
         become_password_file=getattr(args, "become_password_file", None),
         vault_password_files=tuple(getattr(args, "vault_password_files", None) or ()),
     )
+    # The same options again (`trainer up` runs provision, preflight and launch in one process): keep
+    # the access already made, so a typed sudo password is asked once, not once per phase.
+    if not _same_options(given, _current):
+        _current = given
     return _current
+
+
+def _same_options(one: Access, other: Access) -> bool:
+    def absolute(path: Path | None) -> Path | None:
+        return None if path is None else Path(os.path.expanduser(str(path))).absolute()
+
+    return (
+        one.ask_become_pass == other.ask_become_pass
+        and absolute(one.become_password_file) == absolute(other.become_password_file)
+        and list(map(absolute, one.vault_password_files)) == list(map(absolute, other.vault_password_files))
+    )
 
 
 def _checked_file(path: Path, option: str) -> Path:

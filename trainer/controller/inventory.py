@@ -89,10 +89,13 @@ def load_host_vars(inventory: str | os.PathLike[str]) -> tuple[dict[str, list[st
     from ansible.parsing.dataloader import DataLoader
     from ansible.plugins.loader import init_plugin_loader
     from ansible.template import Templar
+    from ansible.utils.collection_loader import AnsibleCollectionConfig
     from ansible.vars.manager import VariableManager
 
-    # Lookups and filters in inventory variables (env, dirname) need the plugin loader.
-    init_plugin_loader()
+    # Lookups and filters in inventory variables (env, dirname) need the plugin loader; once per
+    # process (`trainer up` reads the inventory in each phase): a second call only warns.
+    if AnsibleCollectionConfig.collection_finder is None:
+        init_plugin_loader()
     loader = DataLoader()
     try:
         access.vault_secrets(loader)

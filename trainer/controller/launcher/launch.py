@@ -816,6 +816,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="stop the run's trainer on every host (e.g. after the launcher died)",
     )
     add_watch_arguments(parser)
+    add_restart_arguments(parser)
+
+
+def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
+    """What happens after a failure: shared by `trainer launch` and `trainer up` (option_problem checks
+    how they combine)."""
     parser.add_argument(
         "--max-restarts",
         type=int,
@@ -880,15 +886,20 @@ def prestart(args: argparse.Namespace) -> PrestartedRun | None:
         return None  # an unreadable inventory path: the plan says what is wrong with it
 
 
-def run(args: argparse.Namespace) -> int:
+def option_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with how the restart options combine (add_restart_arguments), or None."""
     if args.max_restarts < 0:
-        print("trainer launch: --max-restarts must be 0 or more", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
+        return "--max-restarts must be 0 or more"
     if args.exclude_failed and not args.max_restarts:
-        print("trainer launch: --exclude-failed needs --max-restarts K (K >= 1)", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
+        return "--exclude-failed needs --max-restarts K (K >= 1)"
     if args.allow_batch_change and not args.exclude_failed:
-        print("trainer launch: --allow-batch-change needs --exclude-failed", file=sys.stderr)
+        return "--allow-batch-change needs --exclude-failed"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    if problem := option_problem(args):
+        print(f"trainer launch: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     early: PrestartedRun | None = None
     try:
