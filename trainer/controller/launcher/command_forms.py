@@ -1,0 +1,222 @@
+"""The launchers users start their own command with, and how each is made to form one job.
+
+`trainer launch -- COMMAND` runs COMMAND on every node. Users bring it in the forms the seed guides
+and the tools' READMEs show; each reads the job's shape from a different place, and the forms
+that read nothing silently start one separate job per node. What is recognised (the command's first
+word, or `python -m`):
+
+- `torchrun ...` and `python -m torch.distributed.run ...`: torchrun reads every option it is not
+  given from `PET_<OPTION>` (torch.distributed.argparse_util.env), so the launcher exports
+  PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE, PET_MASTER_ADDR, PET_MASTER_PORT and
+  PET_RDZV_BACKEND=static on every node (plan.JobPlan.node_env): plain `torchrun train.py` and the
+  explicit `--nnodes $NNODES ...` form both form one job. `--standalone`, or a literal `--nnodes`,
+  `--node-rank` (the same on every node) or an `--nnodes` other than the inventory's cannot: refused
+  before the start.
+- `accelerate launch ...`: reads its config file, which does not say which node it runs on unless
+  it is this node's generated `accelerate-nodeN.yaml`. Without `--config_file` accelerate would read
+  the training user's own default file (under $HF_HOME, shared by every run): the launcher adds
+  `--config_file <this node's file>`. A literal `--num_machines 1` or `--machine_rank` is refused.
+- `deepspeed ...`: its launcher starts every node itself, over pdsh, from the node it runs on; run
+  on every node that is N launches of the whole job. The form that starts one node's share per node
+  is `--no_ssh --node_rank N` with a hostfile; the launcher adds it (with the run's hostfile and the
+  master address and port) unless the command says `--no_ssh` itself. `--hostfile` of the user's
+  own (pdsh from every node) is refused.
+
+Anything else (`bash train.sh`, a script that calls a launcher itself) runs as given; the
+environment above is there for it too, and the world check (world.py) says when its nodes did not
+join one job. Controller side only: pure functions of the command and the node's values.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+
+TORCHRUN = "torchrun"
+ACCELERATE = "accelerate"
+DEEPSPEED = "deepspeed"
+#: `python -m MODULE` forms of the launchers.
+_MODULES = {"torch.distributed.run": TORCHRUN, "torch.distributed.launch": TORCHRUN}
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
+
+#: What each launcher reads from the environment the launcher gives every node (shown by the plan).
+READS = {
+    TORCHRUN: (
+        "PET_NNODES",
+        "PET_NODE_RANK",
+        "PET_NPROC_PER_NODE",
+        "PET_MASTER_ADDR",
+        "PET_MASTER_PORT",
+        "PET_RDZV_BACKEND",
+    ),
+    ACCELERATE: ("--config_file (this node's accelerate-nodeN.yaml)", "ACCELERATE_USE_CPU on CPU nodes"),
+    DEEPSPEED: ("--hostfile (the run's hostfile)", "--node_rank", "--master_addr", "--master_port"),
+}
+
+
+@dataclass(frozen=True)
+class NodeValues:
+    """What a node's share of the job is: the values a rewritten command carries."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    accelerate_config: str
+    hostfile: str
+
+
+@dataclass(frozen=True)
+class Form:
+    launcher: str | None
+    """torchrun | accelerate | deepspeed, or None: a command the launcher does not recognise."""
+    command: tuple[str, ...]
+    """The command as the node runs it."""
+    added: tuple[str, ...] = field(default=())
+    """The arguments the launcher added to the user's command (the plan shows them)."""
+
+
+def launcher_of(command: Sequence[str]) -> tuple[str | None, int]:
+    """(the launcher the command starts, the index of its first own argument), or (None, 0)."""
+    if not command:
+        return None, 0
+    program = PurePosixPath(command[0]).name
+    if program == TORCHRUN:
+        return TORCHRUN, 1
+    if program == ACCELERATE and len(command) > 1 and command[1] == "launch":
+        return ACCELERATE, 2
+    if program == DEEPSPEED:
+        return DEEPSPEED, 1
+    if _PYTHON.fullmatch(program):
+        # python's own flags (-u, -X dev, ...) may come before -m
+        for index, arg in enumerate(command[1:-1], start=1):
+            if arg == "-m":
+                module = command[index + 1]
+                return (_MODULES[module], index + 2) if module in _MODULES else (None, 0)
+            if not arg.startswith("-"):
+                break
+    return None, 0
+
+
+def _options(args: Sequence[str]) -> dict[str, str | None]:
+    """The launcher's own options (before the script): `--name value`, `--name=value` or a flag, with
+    `-` and `_` in names treated alike, as torch's and accelerate's parsers do."""
+    found: dict[str, str | None] = {}
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if not arg.startswith("--"):
+            break  # the script: what follows is its own arguments
+        name, has_value, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if has_value:
+            found[name] = value
+        elif index + 1 < len(args) and not args[index + 1].startswith("-") and name not in _FLAGS:
+            found[name] = args[index + 1]
+            index += 1
+        else:
+            found[name] = None
+        index += 1
+    return found
+
+
+#: Options of the three launchers that take no value (so the next word is the script).
+_FLAGS = {
+    "standalone",
+    "no_python",
+    "module",
+    "m",
+    "run_path",
+    "no_ssh",
+    "no_ssh_check",
+    "no_local_rank",
+    "cpu",
+    "multi_gpu",
+    "use_deepspeed",
+    "use_fsdp",
+    "quiet",
+    "q",
+    "debug",
+    "force_multi",
+    "save_pid",
+    "bind_cores_to_rank",
+    "same_network",
+    "tpu",
+    "use_megatron_lm",
+    "downcast_bf16",
+    "enable_cpu_affinity",
+    "elastic_training",
+    "use_env",
+}
+
+
+def problem(command: Sequence[str], nnodes: int) -> str | None:
+    """Why `command` cannot form one job on `nnodes` nodes (the fix included), or None."""
+    launcher, start = launcher_of(command)
+    if launcher is None or nnodes < 2:
+        return None
+    options = _options(command[start:])
+    shown = " ".join(command[: start + 1]) + " ..."
+    same_everywhere = "is the same on every node"
+    if launcher == TORCHRUN:
+        if "standalone" in options:
+            return (
+                f"`{shown}` with --standalone starts a separate single-node job on each of the "
+                f"{nnodes} nodes; fix: drop --standalone (the launcher gives torchrun the job's "
+                "nodes, rank, master and port in PET_* variables)"
+            )
+        nnodes_given = options.get("nnodes")
+        if nnodes_given is not None and nnodes_given.split(":")[-1] != str(nnodes):
+            return (
+                f"`{shown}` says --nnodes {nnodes_given} but the inventory has {nnodes} nodes; fix: "
+                "drop --nnodes (PET_NNODES carries it) or give it the inventory's node count"
+            )
+        if options.get("node_rank") is not None:
+            return (
+                f"`{shown}` gives --node-rank {options['node_rank']}, which {same_everywhere}; "
+                "fix: drop it (PET_NODE_RANK carries each node's rank)"
+            )
+    if launcher == ACCELERATE:
+        machines = options.get("num_machines")
+        if machines is not None and machines != str(nnodes):
+            return (
+                f"`{shown}` says --num_machines {machines} but the inventory has {nnodes} nodes; fix: "
+                "drop it (each node's generated config file says it)"
+            )
+        if options.get("machine_rank") is not None:
+            return (
+                f"`{shown}` gives --machine_rank {options['machine_rank']}, which {same_everywhere}; "
+                "fix: drop it (each node's generated config file carries its rank)"
+            )
+    if launcher == DEEPSPEED and "no_ssh" not in options and "hostfile" in options:
+        return (
+            f"`{shown}` with --hostfile starts the whole job over pdsh from every node it runs on "
+            f"({nnodes} copies of the job); fix: drop --hostfile, and the launcher starts each node's "
+            "share with deepspeed --no_ssh --node_rank N and the run's hostfile, or run "
+            "`trainer launch` with the bundled trainer's deepspeed engine"
+        )
+    return None
+
+
+def adapt(command: Sequence[str], node: NodeValues) -> Form:
+    """The command as `node` runs it: accelerate gets this node's config file, deepspeed the
+    one-node-per-node form; torchrun reads the PET_* environment and is run as given."""
+    launcher, start = launcher_of(command)
+    command = tuple(command)
+    if launcher is None or (node.nnodes < 2 and launcher != ACCELERATE):
+        return Form(launcher, command)
+    options = _options(command[start:])
+    added: tuple[str, ...] = ()
+    if launcher == ACCELERATE and "config_file" not in options:
+        added = ("--config_file", node.accelerate_config)
+    elif launcher == DEEPSPEED and "no_ssh" not in options:
+        added = (
+            "--no_ssh",
+            f"--node_rank={node.node_rank}",
+            f"--hostfile={node.hostfile}",
+            *(() if "master_addr" in options else (f"--master_addr={node.master_addr}",)),
+            *(() if "master_port" in options else (f"--master_port={node.master_port}",)),
+        )
+    return Form(launcher, command[:start] + added + command[start:], added)
