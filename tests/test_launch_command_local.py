@@ -38,7 +38,6 @@ def cluster(tmp_path) -> tuple[Path, Path, Path]:
     local = {
         "ansible_connection": "local",
         "ansible_python_interpreter": "{{ ansible_playbook_python }}",
-        "cluster_ip": "127.0.0.1",
         "cluster_accelerators": 0,
         "cluster_accelerator_model": "cpu",
     }
@@ -47,8 +46,9 @@ def cluster(tmp_path) -> tuple[Path, Path, Path]:
     hosts = {
         "cluster": {
             "children": {
-                "head": {"hosts": {"node0": dict(local)}},
-                "workers": {"hosts": {"node1": dict(local)}},
+                # One address per host, as the inventory rules require: all of 127/8 is on lo.
+                "head": {"hosts": {"node0": dict(local, cluster_ip="127.0.0.1")}},
+                "workers": {"hosts": {"node1": dict(local, cluster_ip="127.0.0.2")}},
             }
         }
     }

@@ -68,11 +68,12 @@ def write_launch_dir(plan) -> Path:
 
 
 def loopback_inventory(tmp_path: Path, hosts: int, procs: int) -> Path:
-    local = {"ansible_connection": "local", "cluster_ip": "127.0.0.1", "cluster_accelerators": 0}
+    # One address per host, as the inventory rules require: all of 127.0.0.0/8 is on lo.
+    local = {"ansible_connection": "local", "cluster_accelerators": 0}
     return write_inventory(
         tmp_path,
-        {"node0": dict(local)},
-        {f"node{i}": dict(local) for i in range(1, hosts)},
+        {"node0": dict(local, cluster_ip="127.0.0.1")},
+        {f"node{i}": dict(local, cluster_ip=f"127.0.0.{i + 1}") for i in range(1, hosts)},
         cluster_master_port=free_port(),
         cluster_shared_dir=str(tmp_path / "shared"),
         training_venv=str(VENV),

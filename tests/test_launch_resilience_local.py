@@ -236,7 +236,7 @@ def test_a_node_failing_twice_is_left_out_and_the_batch_is_kept(loopback, tmp_pa
     inventory, shared = loopback
     hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
     workers = hosts["cluster"]["children"]["workers"]["hosts"]
-    workers["node2"] = dict(workers["node1"])
+    workers["node2"] = dict(workers["node1"], cluster_ip="127.0.0.3")  # each host its own address
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
     # Rank 2's "GPU" faults at step 5 on every attempt (the trainer's test hook): node2 fails twice.
     faults = tmp_path / "faults.jsonl"

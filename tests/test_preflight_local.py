@@ -111,8 +111,7 @@ def loopback_inventory(tmp_path: Path, master_port: int, data_files: dict[str, P
                 "cluster_shared_dir": str(shared),
                 "cluster_master_port": master_port,
                 "cluster_comm_port_range": f"{master_port}:{master_port + 20}",
-                # 127.0.0.2 and .3 are not assigned to lo (only 127.0.0.1/8 is), so `auto` finds no
-                # interface for them, as launch would: name it.
+                # Named here; `auto` finds lo too (its 127.0.0.1/8 holds .2 and .3, as launch sees it).
                 "cluster_nccl_socket_ifname": "lo",
                 "training_procs_per_node": 1,
                 "training_venv": str(Path(sys.executable).parents[1]),

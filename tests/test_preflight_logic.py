@@ -430,6 +430,38 @@ def test_interface_auto_resolves_as_launch_and_names_what_is_wrong_per_node():
     assert_fix(results["w2"], "w2", "cluster_nccl_socket_ifname")
 
 
+def test_interface_auto_puts_loopback_nodes_on_lo_as_launch_does():
+    """Several "nodes" of one machine at 127.0.0.1, .2, .3 (each its own cluster_ip, as the inventory
+    rules require): lo's 127.0.0.1/8 holds them all, in preflight's rule and in the launcher's own
+    (node_ctl.interface_of, asked of this machine's interfaces)."""
+    import importlib.util
+    from pathlib import Path
+
+    from trainer.controller.preflight import interfaces
+
+    lo = _link("lo", "127.0.0.1/8", mtu=65536, loopback=True)
+    facts = {h: _links(lo, _link("eth0", "10.0.0.9/24")) for h in ("head", "w1", "w2")}
+    cluster = _cluster(
+        head={"cluster_ip": "127.0.0.1"}, w1={"cluster_ip": "127.0.0.2"}, w2={"cluster_ip": "127.0.0.3"}
+    )
+    results = {r.subject: r for r in interfaces.evaluate(cluster, facts, _no_answer)}
+    for host in ("head", "w1", "w2"):
+        assert results[host].status == PASS, results[host].detail
+        assert results[host].detail.startswith("NCCL_SOCKET_IFNAME==lo, GLOO_SOCKET_IFNAME=lo: lo up")
+    # Only a loopback interface holds its whole prefix: eth0's /24 does not hold 10.0.0.7.
+    facts["w2"] = _links(lo, _link("eth0", "10.0.0.9/24"))
+    results = interfaces.evaluate(_cluster(w2={"cluster_ip": "10.0.0.7"}), facts, _no_answer)
+    assert [r.status for r in results if r.subject == "w2"] == [FAIL]
+
+    template = Path(interfaces.__file__).parents[1] / "launcher/playbooks/templates/node_ctl.py"
+    spec = importlib.util.spec_from_file_location("node_ctl", template)
+    node_ctl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(node_ctl)
+    for resolve in (node_ctl.interface_of, node_ctl.interface_of_by_ioctl):
+        assert resolve("127.0.0.2") == "lo" and resolve("127.0.0.1") == "lo"
+        assert resolve("192.0.2.77") == ""  # TEST-NET: on no interface of this machine
+
+
 def test_interface_named_in_the_inventory_must_exist_hold_the_address_and_suit_gloo():
     from trainer.controller.preflight import interfaces
 

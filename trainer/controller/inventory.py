@@ -35,7 +35,8 @@ class Host:
 
     @property
     def address(self) -> str:
-        """The cluster address: `cluster_ip`, else `ansible_host`, else the inventory name."""
+        """The cluster address: `cluster_ip`, else `ansible_host`, else the inventory name (the
+        fallbacks serve a one-host cluster only: the rules require cluster_ip across hosts)."""
         return str(self.vars.get("cluster_ip") or self.vars.get("ansible_host") or self.name)
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -13,10 +13,13 @@ or a config file (exports, fstab, chrony.conf, run.sh, the DeepSpeed hostfile, a
 must fit a strict pattern here: no whitespace, quotes, parentheses, `*` or newlines where a path,
 a name or an address is expected.
 
-Two purposes: PROVISION (site.yml) applies every rule; LAUNCH (plan/launch/preflight) applies every
-rule on the values that are set, and the group layout, but not what only provisioning needs (the
-variables the roles require, one address per host, equal GPU counts, the new account's name and
-ids): a launch inventory may be a minimal one, or put several loopback "nodes" on one machine.
+Two purposes: PROVISION (site.yml) applies every rule; LAUNCH (plan/launch/preflight/status/sbatch)
+applies every rule on the values that are set, the group layout, and one cluster address per host
+(`cluster_ip`, set and unique across hosts: the master address and NCCL's interface come from it),
+but not what only provisioning needs (the other variables the roles require, one ansible_host per
+host, equal GPU counts, the new account's name and ids): a launch inventory may be a minimal one, or
+put several loopback "nodes" on one machine (127.0.0.1, 127.0.0.2, ...: Linux routes all of
+127.0.0.0/8 to lo).
 """
 
 from __future__ import annotations
@@ -92,6 +95,10 @@ REQUIRED_MULTI_HOST = {
     "cluster_training_uid": "set a UID >= 1000 in group_vars/cluster/cluster.yml",
     "cluster_training_gid": "set a GID >= 1000 in group_vars/cluster/cluster.yml",
 }
+#: What a launch across hosts needs from REQUIRED. Without cluster_ip the launcher would fall back to
+#: ansible_host or the inventory name, a management address that may sit on another network than the
+#: one NCCL should use (and site.yml refuses such an inventory, so a launch must too).
+LAUNCH_REQUIRED_MULTI_HOST = ("cluster_ip",)
 # Variables that must have one value on every host.
 SAME_EVERYWHERE = (
     "cluster_name",
@@ -410,8 +417,7 @@ def _check_host_names(names: list[str], out: Problems) -> None:
             )
 
 
-def _check_required(hosts: Mapping[str, Mapping], multi_host: bool, out: Problems) -> None:
-    required = dict(REQUIRED, **(REQUIRED_MULTI_HOST if multi_host else {}))
+def _check_required(hosts: Mapping[str, Mapping], required: Mapping[str, str], out: Problems) -> None:
     for name, hv in hosts.items():
         for var, fix in required.items():
             if hv.get(var) is None:
@@ -610,9 +616,13 @@ def cluster_problems(hostvars: Mapping, groups: Mapping, purpose: str = PROVISIO
     hosts = {name: dict(hostvars[name]) for name in names if name in hostvars}
     multi_host = len(hosts) > 1
     if provision:
-        _check_required(hosts, multi_host, out)
+        _check_required(hosts, dict(REQUIRED, **(REQUIRED_MULTI_HOST if multi_host else {})), out)
         _check_same_everywhere(hosts, out)
-        _check_unique(hosts, "cluster_ip", "cluster address", out)
+    elif multi_host:
+        _check_required(hosts, {var: REQUIRED[var] for var in LAUNCH_REQUIRED_MULTI_HOST}, out)
+    # Two nodes on one address: the master address or NCCL's interface would be another node's.
+    _check_unique(hosts, "cluster_ip", "cluster address", out)
+    if provision:
         _check_unique(hosts, "ansible_host", "ansible_host:ansible_port", out)
         _check_in_subnet(hosts, out)
     for var, check in VALUE_RULES:

@@ -23,9 +23,13 @@ CHECK = "interface"
 
 
 def holding(interfaces: list[dict[str, Any]], address: str) -> str:
-    """The interface with `address` assigned ('' if none): launch's rule for `auto`."""
+    """The interface with `address` assigned, else the loopback one whose prefix holds it ('' if
+    none): launch's rule for `auto` (node_ctl.interface_of)."""
     for iface in interfaces:
         if any(a.split("/")[0] == address for a in iface.get("addresses", [])):
+            return iface["name"].split("@")[0]
+    for iface in interfaces:
+        if "LOOPBACK" in iface.get("flags", []) and holds(iface, address):
             return iface["name"].split("@")[0]
     return ""
 

@@ -246,6 +246,7 @@ def status(node_dir: Path, offset: int | None = None, tail: int = 0, wait: float
             time.sleep(WAIT_STEP_S)
     state, pid, exit_record = _state(node_dir)
     lines, next_offset = read_log(node_dir, offset, tail)
+    info = _read_json(node_dir / "launch.json")
     return {
         "state": state,
         "pid": pid,
@@ -254,7 +255,8 @@ def status(node_dir: Path, offset: int | None = None, tail: int = 0, wait: float
         "lines": lines,
         "offset": next_offset,
         "launch_id": _launch_id(node_dir),
-        "info": _read_json(node_dir / "launch.json"),
+        "info": info,
+        "joined": joined(node_dir, info) if state == "running" else None,
         "progress": progress(node_dir),
         "log_age_s": _log_age(node_dir),
         "time": time.time(),
@@ -263,7 +265,85 @@ def status(node_dir: Path, offset: int | None = None, tail: int = 0, wait: float
         "rank_exits": rank_exits(node_dir) if state in ("exited", "vanished") else [],
         # The run's lock (on the head): for `trainer status`, not for every poll of a watch.
         "lock": _read_json(node_dir.parent / "lock") if offset is None else None,
+        # A run name with no launch here: the runs that have one, for the error to name.
+        "runs": launched_runs(node_dir) if offset is None and state == "none" else None,
     }
+
+
+def launched_runs(node_dir: Path, limit: int = 50) -> list[str]:
+    """The runs beside this one (`<shared>/runs/<run>/launch/node-N`) that have a launch."""
+    runs_dir = node_dir.parent.parent.parent
+    try:
+        names = sorted(path.parent.name for path in runs_dir.glob("*/launch") if path.is_dir())
+    except OSError:
+        return []
+    return names[:limit]
+
+
+def joined(node_dir: Path, info: dict | None) -> bool | None:
+    """The world check of a user's command on a worker: whether a process of this launch holds a TCP
+    connection to the head (the job's store on MASTER_ADDR, the collectives' peers). A worker whose
+    command formed a job of its own never connects there. None where it is not asked (the bundled
+    trainer knows its world; the head hosts it). Once seen, kept in `joined` (the next polls of a
+    long run skip the scan of /proc)."""
+    head = (info or {}).get("world_check", {}).get("head_address")
+    if not head or node_dir.name == "node-0":
+        return None
+    marker = node_dir / "joined"
+    launch_id = _launch_id(node_dir)
+    with contextlib.suppress(OSError):
+        if marker.read_text().strip() == launch_id:
+            return True
+    if not _connected_to(tagged_pids(node_dir), head):
+        return False
+    with contextlib.suppress(OSError):
+        write_file(marker, f"{launch_id}\n")
+    return True
+
+
+def _connected_to(pids: list[int], address: str) -> bool:
+    """Whether one of `pids` has an established TCP connection to `address` (IPv4 or IPv6)."""
+    import ipaddress
+
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    if not inodes:
+        return False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # local, remote ("hex address:hex port"), state 01 = ESTABLISHED, ..., inode at 9
+            if len(fields) < 10 or fields[3] != "01" or fields[9] not in inodes:
+                continue
+            remote = _proc_net_address(fields[2].split(":")[0])
+            if remote == wanted or getattr(remote, "ipv4_mapped", None) == wanted:
+                return True
+    return False
+
+
+def _proc_net_address(hexed: str):  # -> ipaddress.IPv4Address | IPv6Address
+    """An address as /proc/net/tcp{,6} writes it: 32-bit words in the host's byte order."""
+    import ipaddress
+
+    raw = bytes.fromhex(hexed)
+    words = b"".join(
+        raw[i : i + 4][::-1] if sys.byteorder == "little" else raw[i : i + 4] for i in range(0, len(raw), 4)
+    )
+    return ipaddress.ip_address(words)
 
 
 def _log_age(node_dir: Path) -> float | None:
@@ -422,6 +502,7 @@ def interface_of_by_ioctl(address: str) -> str:
     import struct
 
     siocgifaddr = 0x8915
+    loopback = ""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for _, name in socket.if_nameindex():
             try:
@@ -430,11 +511,27 @@ def interface_of_by_ioctl(address: str) -> str:
                 continue  # no IPv4 address on this interface
             if socket.inet_ntoa(answer[20:24]) == address:
                 return name
-    return ""
+            if loopback_holds(socket.inet_ntoa(answer[20:24]) + "/8", address):
+                loopback = name
+    return loopback
+
+
+def loopback_holds(assigned: str, address: str) -> bool:
+    """Whether a loopback address `assigned` (ADDRESS/PREFIX) holds `address`: Linux answers every
+    address of lo's prefix (127.0.0.0/8) on lo, so loopback "nodes" on one machine at 127.0.0.2,
+    127.0.0.3, ... are on lo (preflight's interfaces check applies the same rule)."""
+    import ipaddress
+
+    try:
+        network = ipaddress.ip_network(assigned, strict=False)
+        return network.network_address.is_loopback and ipaddress.ip_address(address) in network
+    except ValueError:
+        return False
 
 
 def interface_of(address: str) -> str:
-    """The interface holding `address` ('' if none), from `ip -o addr show`."""
+    """The interface holding `address` ('' if none), from `ip -o addr show`: the one it is assigned
+    to, else the loopback interface whose prefix holds it."""
     import subprocess
 
     try:
@@ -445,11 +542,15 @@ def interface_of(address: str) -> str:
         return interface_of_by_ioctl(address)
     except (OSError, subprocess.SubprocessError):
         return ""
+    loopback = ""
     for line in listing.splitlines():
         fields = line.split()
-        if len(fields) > 3 and fields[2] in ("inet", "inet6") and fields[3].split("/")[0] == address:
-            return fields[1].split("@")[0]
-    return ""
+        if len(fields) > 3 and fields[2] in ("inet", "inet6"):
+            if fields[3].split("/")[0] == address:
+                return fields[1].split("@")[0]
+            if loopback_holds(fields[3], address):
+                loopback = fields[1].split("@")[0]
+    return loopback
 
 
 def port_error(address: str, port: int) -> str:
