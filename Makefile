@@ -13,7 +13,7 @@ ARGS      ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 PIP := $(BIN)/pip install -q --disable-pip-version-check
 
-.PHONY: help install install-train install-dev install-mitogen system-deps train provision preflight test test-fast molecule test-vm lint bench clean
+.PHONY: help install install-train install-dev install-mitogen system-deps train provision preflight up test test-fast molecule test-vm lint bench clean
 
 help:
 	@echo "make install     the controller: Ansible, ansible-runner (no torch)"
@@ -21,6 +21,7 @@ help:
 	@echo "make test        lint, fast tests, then the Molecule multi-host test bed"
 	@echo "make provision   ansible-playbook site.yml -i INVENTORY (FULL=1: every role, even on a converged cluster)"
 	@echo "make preflight   check the cluster before a launch (report in output/preflight.json)"
+	@echo "make up          provision, preflight's probe pass and launch in one go (trainer up)"
 	@echo "make lint | bench | molecule | test-vm | install-train | install-dev | clean"
 
 # Who needs what (scripts/system-packages.txt has the Debian packages, pyproject.toml the Python ones):
@@ -66,6 +67,11 @@ install-mitogen: install
 preflight: $(if $(filter inventory/local,$(INVENTORY)),install-train,install)
 	$(if $(filter inventory/local,$(INVENTORY)),mkdir -p output)
 	$(BIN)/trainer preflight -i $(INVENTORY) $(ARGS)
+
+# From bare hosts to training: provision, preflight's probe pass, launch (trainer up; ARGS: its options).
+up: $(if $(filter inventory/local,$(INVENTORY)),install-train,install)
+	$(if $(filter inventory/local,$(INVENTORY)),mkdir -p output)
+	$(BIN)/trainer up -i $(INVENTORY) $(ARGS)
 
 lint: install-dev
 	$(BIN)/ruff check trainer tests bench scripts
