@@ -48,6 +48,7 @@ KIND_WORDS = {
     "killed": "killed",
     "gpu_fault": "GPU fault",
     "stall": "stalled",
+    "world": "no single job",
 }
 
 
@@ -57,7 +58,7 @@ class Event:
     host: str
     node_rank: int
     kind: str
-    """lost | exit | killed | gpu_fault | stall"""
+    """lost | exit | killed | gpu_fault | stall | world (a user's command formed no single job)"""
     code: int
     """The exit code this event stands for: the rank's own, NODE_LOST for a lost node."""
     message: str
@@ -109,7 +110,7 @@ class Diagnosis:
     @property
     def restartable(self) -> bool:
         """A restart could succeed: not bad input (config, data, sizing, disk full), not the head gone."""
-        if self.head_lost:
+        if self.head_lost or self.cause.kind == "world":
             return False
         return not (self.bundled and self.cause.kind == "exit" and self.cause.code in NOT_RESTARTABLE)
 
@@ -139,6 +140,8 @@ class Diagnosis:
             return f"{cause.host} was lost"
         if cause.kind == "stall":
             return "the stall"
+        if cause.kind == "world":
+            return "the world check"
         return f"{cause.where} {'was killed' if cause.kind == 'killed' else 'failed'}"
 
     def as_record(self) -> dict[str, Any]:
@@ -169,7 +172,7 @@ class Outcome:
     code: int
     """The cause's own exit code (failure.Diagnosis.code), 0 when done."""
     kind: str
-    """done | failed | interrupted | locked | start_failed | watch_failed"""
+    """done | failed | interrupted | stopped (by `trainer stop`) | locked | start_failed | watch_failed"""
     hosts: list[str] = field(default_factory=list)
     """The hosts to blame (the cause's host; a stall's hosts that were behind)."""
     reason: str = ""
@@ -315,6 +318,19 @@ def diagnose(monitor: JobMonitor, *, bundled: bool = True, now: float | None = N
                 exitcodes.FAILURE,
                 stall.summary,
                 behind[1],
+            )
+        )
+    if monitor.world is not None and monitor.world.failure is not None:
+        host, message = monitor.world.failure
+        # Bad input, as a config error is: the same command would form separate jobs again.
+        events.append(
+            Event(
+                monitor.failed_at or now,
+                host,
+                monitor.hosts[host].node_rank,
+                "world",
+                exitcodes.CONFIG_ERROR,
+                message,
             )
         )
     if not events:

@@ -70,8 +70,10 @@ def accelerate_config(plan: JobPlan, node_rank: int) -> dict[str, Any]:
     return {
         "compute_environment": "LOCAL_MACHINE",
         # On the CPU too: accelerate starts one process per node for MULTI_CPU (or needs mpirun);
-        # MULTI_GPU starts GPUS_PER_NODE processes through torch's launcher, and the script's
-        # Accelerator(cpu=True) (the trainer's, on the CPU) then uses gloo.
+        # MULTI_GPU starts GPUS_PER_NODE processes through torch's launcher, and run.sh's
+        # ACCELERATE_USE_CPU=true on CPU nodes (plan.JobPlan.node_env) makes every Accelerator()
+        # use gloo, with or without cpu=True in the script. use_cpu here would make accelerate
+        # start a single process.
         "distributed_type": "MULTI_GPU",
         "machine_rank": node_rank,
         "main_process_ip": topo.master_addr,
@@ -182,6 +184,9 @@ def readme(plan: JobPlan) -> str:
             "",
             "deepspeed.json has `auto` batch sizes and precision: Hugging Face Trainer (--deepspeed",
             "$DEEPSPEED_CONFIG) and accelerate fill them in from your script's own arguments.",
-            "accelerate launch --config_file $ACCELERATE_CONFIG_FILE starts the node's processes.",
+            "accelerate launch --config_file $ACCELERATE_CONFIG_FILE starts the node's processes",
+            "(`trainer launch -- accelerate launch ...` adds it); plain torchrun reads PET_NNODES,",
+            "PET_NODE_RANK, PET_MASTER_ADDR, ... from node-N/run.sh; `trainer launch -- deepspeed ...`",
+            "runs one node's share per node (--no_ssh --node_rank N --hostfile hostfile).",
         ]
     return "\n".join(lines) + "\n"

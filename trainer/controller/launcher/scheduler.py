@@ -39,6 +39,9 @@ _RUNTIME = {
     "NCCL_SOCKET_IFNAME",
     "GLOO_SOCKET_IFNAME",
     "NCCL_IB_DISABLE",
+    "PET_NNODES",
+    "PET_NODE_RANK",
+    "PET_MASTER_ADDR",
 }
 
 
@@ -84,6 +87,8 @@ def node_script(plan: JobPlan) -> str:
         'export NODE_RANK="${1:-${SLURM_NODEID:?run this under srun or give the node rank as its argument}}"',
         *(f"export {name}={shlex.quote(value)}" for name, value in env.items()),
         "export WORLD_SIZE=$((NNODES * GPUS_PER_NODE))",
+        "# torchrun reads the options it is not given from PET_*: a plain `torchrun train.py` joins the job.",
+        'export PET_NNODES="$NNODES" PET_NODE_RANK="$NODE_RANK" PET_MASTER_ADDR="$MASTER_ADDR"',
         'export ACCELERATE_CONFIG_FILE="$launch_dir/accelerate-node$NODE_RANK.yaml"',
     ]
     if head.nccl_socket_ifname == AUTO_IFNAME:

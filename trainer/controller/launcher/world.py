@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from rich.markup import escape
 
 #: How long a worker may run before it must have connected to the head (its launcher's start, the
-#: import of torch, the rendezvous). --world-timeout changes it.
-WORLD_TIMEOUT_S = 60.0
+#: import of torch, the rendezvous). DeepSpeed's launcher took 55 s from start to its ranks on the
+#: loaded 3-container bed (it imports deepspeed twice before a rank runs). --world-timeout changes it.
+WORLD_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -39,8 +40,10 @@ class WorldCheck:
     joined: set[str] = field(default_factory=set)
     running_since: dict[str, float] = field(default_factory=dict)
     """Host -> when it was first seen running (the head included)."""
+    warned: set[str] = field(default_factory=set)
+    """Workers a warning named (a command the launcher does not recognise): not named again."""
     done: bool = False
-    """A verdict was given (formed, failed, warned or unconfirmed): nothing more is said."""
+    """Every worker was judged (joined, failed, warned or unconfirmed): nothing more is said."""
     failure: tuple[str, str] | None = None
     """(host, message) of a strict failure: the cause the launcher stops the job for."""
 
@@ -50,50 +53,54 @@ class WorldCheck:
         if joined:
             self.joined.add(host)
 
-    def judge(self, final: set[str], now: float | None = None) -> str | None:
-        """The check's line to show, once: when every worker joined, when one is overdue, or when
-        the job ended before it could be told. `final`: the hosts whose command has ended."""
+    def judge(self, final: set[str], now: float | None = None) -> list[str]:
+        """The check's lines to show, each once: when every worker joined, when workers are overdue,
+        or when the job ended before it could be told. `final`: the hosts whose command has ended."""
         if self.done:
-            return None
+            return []
         now = time.time() if now is None else now
-        nodes = len(self.workers) + 1
         if set(self.workers) <= self.joined:
             self.done = True
-            return f"world check: all {nodes} nodes joined the job on {self.endpoint}"
+            return [f"world check: all {len(self.workers) + 1} nodes joined the job on {self.endpoint}"]
         head_since = self.running_since.get(self.head)
         overdue = [
             host
             for host in self.workers
-            if host not in self.joined
+            if host not in self.joined | self.warned
             and host not in final
             and head_since is not None
             and host in self.running_since
             and now - max(head_since, self.running_since[host]) > self.timeout_s
         ]
-        if overdue:
-            self.done = True
-            names = ", ".join(overdue)
-            waited = f"{self.timeout_s:g} s"
-            if self.strict:
-                message = (
-                    f"{names} ran for {waited} without connecting to the head: {self.launcher} formed a "
-                    f"separate job there instead of joining the job on {self.endpoint}; fix: leave the "
-                    "node count, rank and master to the launcher's environment (NNODES, NODE_RANK, "
-                    "MASTER_ADDR, MASTER_PORT, PET_*; `trainer plan` shows them), or raise "
-                    "--world-timeout if the start is this slow"
-                )
-                self.failure = (overdue[0], message)
-                return f"[red]world check failed[/red]: {escape(message)}"
-            return (
-                f"[yellow]world check[/yellow]: {escape(names)} ran for {waited} without connecting to "
-                f"the head ({self.endpoint}); if your command is one distributed job, those nodes started "
-                "jobs of their own (`trainer plan` shows the environment each node gets)"
+        lines = []
+        if overdue and self.strict:
+            # Every worker not connected yet is named: they run the same command.
+            missing = [h for h in self.workers if h not in self.joined and h not in final]
+            names = ", ".join(missing)
+            message = (
+                f"{names} did not connect to the head within {self.timeout_s:g} s: {self.launcher} formed "
+                f"a separate job there instead of joining the job on {self.endpoint}; fix: leave the node "
+                "count, rank and master to the launcher's environment (NNODES, NODE_RANK, MASTER_ADDR, "
+                "MASTER_PORT, PET_*; `trainer plan` shows them), or raise --world-timeout if the start "
+                "is this slow"
             )
-        unseen = [host for host in self.workers if host not in self.joined]
-        if unseen and all(host in final for host in unseen):
+            self.failure = (missing[0], message)
             self.done = True
-            return (
-                f"world check: {', '.join(unseen)} ended before it was seen connected to the head: "
+            return [f"[red]world check failed[/red]: {escape(message)}"]
+        if overdue:
+            self.warned.update(overdue)
+            lines.append(
+                f"[yellow]world check[/yellow]: {escape(', '.join(overdue))} did not connect to the head "
+                f"({self.endpoint}) within {self.timeout_s:g} s; if your command is one distributed job, "
+                "those nodes started jobs of their own (`trainer plan` shows the environment each node gets)"
+            )
+        pending = [h for h in self.workers if h not in self.joined | self.warned]
+        if not pending:
+            self.done = True
+        elif all(host in final for host in pending):
+            self.done = True
+            lines.append(
+                f"world check: {', '.join(pending)} ended before it was seen connected to the head: "
                 "whether they joined one job could not be told"
             )
-        return None
+        return lines

@@ -1,0 +1,139 @@
+"""The launcher forms users type after `trainer launch --`, on the Molecule test bed (three
+containers, two processes each, gloo over the podman network): each forms one job of 6 processes,
+and the world check tells a job that did not form.
+
+The script of tests/world_forms all-reduces a 1: every process must see world size 6 and a sum of 6.
+It is copied to a working dir on the shared dir, owned by the training user; each test's run and
+working dir are removed after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from test_launch_testbed import BED_UP, HOSTS, INVENTORY, group_vars, run_launch
+
+FORMS = Path(__file__).resolve().parent / "world_forms"
+#: A master port of its own (other testbed tests use 29541, 29543, 29547).
+MASTER_PORT = 29549
+NODES, PROCS = 3, 2
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
+
+
+@pytest.fixture
+def testbed(tmp_path):
+    """(inventory, run name, working dir)."""
+    settings = group_vars()
+    shared = Path(settings["cluster_shared_dir"])
+    tag = uuid.uuid4().hex[:8]
+    workdir = shared / f"forms-{tag}"
+    shutil.copytree(FORMS, workdir)
+    owner = shared.stat()
+    for path in [workdir, *workdir.rglob("*")]:
+        os.chown(path, owner.st_uid, owner.st_gid)
+    inventory = tmp_path / "inventory"
+    shutil.copytree(INVENTORY, inventory)
+    overrides = {
+        "training_procs_per_node": PROCS,
+        "cluster_master_port": MASTER_PORT,
+        "training_workdir": str(workdir),
+        # accelerate's own default config would be read from here: empty, so only the launcher's counts.
+        "training_env": {"HF_HOME": f"{workdir}/hf-home", "HOLD_S": "3"},
+    }
+    (inventory / "group_vars" / "cluster" / "zz_forms_test.yml").write_text(yaml.safe_dump(overrides))
+    run_name = f"forms-{tag}"
+    yield inventory, run_name, workdir
+    shutil.rmtree(shared / "runs" / run_name, ignore_errors=True)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def launch(inventory: Path, run_name: str, *args: str) -> tuple[int, str]:
+    command = [sys.executable, "-m", "trainer", "launch", "-i", str(inventory), "--run-name", run_name]
+    return run_launch([*command, "--poll-interval", "1", *args], timeout=900)
+
+
+def results(workdir: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted((workdir / "results").glob("rank-*.json"))]
+
+
+def assert_one_world(workdir: Path, out: str) -> list[dict]:
+    seen = results(workdir)
+    world = NODES * PROCS
+    assert sorted(r["rank"] for r in seen) == list(range(world)), out
+    assert {r["world_size"] for r in seen} == {world}, out
+    assert {r["sum"] for r in seen} == {world}, "the all-reduce spanned every node"
+    assert {r["hostname"] for r in seen} == set(HOSTS)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["torchrun", "allreduce.py"],
+        ["python", "-m", "torch.distributed.run", "allreduce.py"],
+        ["deepspeed", "allreduce.py"],
+    ],
+    ids=["torchrun", "python-m-torch.distributed.run", "deepspeed"],
+)
+def test_torchrun_and_deepspeed_forms_form_one_job(testbed, command):
+    inventory, run_name, workdir = testbed
+    # A loaded CI machine may take minutes to start deepspeed's launcher: only the verdict counts here.
+    rc, out = launch(inventory, run_name, "--world-timeout", "600", "--", *command)
+    assert rc == 0, out
+    assert_one_world(workdir, out)
+    assert f"world check: all {NODES} nodes joined the job" in out, out
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["accelerate", "launch", "accelerate_allreduce.py"],
+        [
+            "bash",
+            "-c",
+            'exec accelerate launch --config_file "$ACCELERATE_CONFIG_FILE" accelerate_allreduce.py',
+        ],
+    ],
+    ids=["without-config-file", "with-the-generated-file"],
+)
+def test_accelerate_forms_one_job_on_cpu_nodes_without_cpu_true(testbed, command):
+    inventory, run_name, workdir = testbed
+    rc, out = launch(inventory, run_name, "--world-timeout", "600", "--", *command)
+    assert rc == 0, out
+    seen = assert_one_world(workdir, out)
+    assert {r["distributed_type"] for r in seen} == {"DistributedType.MULTI_CPU"}, seen
+
+
+def test_a_launcher_whose_nodes_never_join_the_head_is_stopped_with_exit_2(testbed):
+    """c10d with a loopback endpoint: each node hosts a store of its own and waits there for 3 nodes."""
+    inventory, run_name, workdir = testbed
+    command = ["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29612", "allreduce.py"]
+    rc, out = launch(inventory, run_name, "--world-timeout", "20", "--", *command)
+    assert rc == 2, out
+    assert "world check failed: ct-worker1, ct-worker2 did not connect to the head within 20 s" in out
+    assert "torchrun formed a separate job" in out
+    assert "stopped" in out and not results(workdir)
+
+
+def test_separate_jobs_of_a_script_are_warned_about(testbed):
+    """A script the launcher cannot read that starts one single-node job per node: it runs, and the
+    launcher says the nodes never connected to the head."""
+    inventory, run_name, workdir = testbed
+    script = "exec torchrun --nnodes 1 --node-rank 0 --master-addr 127.0.0.1 --master-port 29613 allreduce.py"
+    rc, out = launch(
+        inventory, run_name, "--world-timeout", "8", "--env", "HOLD_S=20", "--", "bash", "-c", script
+    )
+    assert rc == 0, out
+    # Each worker is named once, in the warning of the round it became overdue in.
+    named = [line for line in out.splitlines() if "did not connect to the head" in line]
+    assert {"ct-worker1", "ct-worker2"} <= set(" ".join(named).replace(",", " ").split()), out
+    seen = results(workdir)
+    assert len(seen) == NODES * PROCS and {r["world_size"] for r in seen} == {PROCS}, "3 separate jobs"
