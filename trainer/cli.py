@@ -2,7 +2,8 @@
 
 `trainer plan` and `trainer preflight` run on a controller that has no torch; `trainer train` runs on
 the nodes. Importing a verb's module only when it is asked for keeps each of them light.
-Each verb module provides `configure_parser(parser)` and `run(args) -> int` (the exit code).
+Each verb module provides `configure_parser(parser)` and `run(args) -> int` (the exit code), and
+`EXAMPLES`: a few command lines its --help ends with, as a user would type them.
 A module with `TAKES_COMMAND = True` gets everything after the first `--` as `args.command`, as
 given: the user's own command (its options are never read as ours).
 """
@@ -11,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shutil
 import sys
+import textwrap
+from types import ModuleType
 
 from trainer import __version__, exitcodes, logsetup
 
@@ -30,6 +34,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "attach": (
         "trainer.controller.launcher.attach",
         "follow a running launch again (after its launcher died) to its end",
+    ),
+    "stop": ("trainer.controller.launcher.stop", "stop a run on every node of its last launch"),
+    "logs": (
+        "trainer.controller.launcher.logs",
+        "print a run's node logs (every node, or one), and with -f follow them to the run's end",
     ),
     "sbatch": (
         "trainer.controller.launcher.sbatch",
@@ -55,6 +64,37 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def epilog_with_examples(epilog: str | None, examples: tuple[str, ...]) -> str | None:
+    """A verb's epilog (a paragraph, wrapped as argparse would) followed by its `Examples:`: each a
+    command line as typed, with what it does after `#`."""
+    width = max(40, shutil.get_terminal_size().columns - 2)  # argparse's own width
+    parts = [textwrap.fill(epilog, width)] if epilog else []
+    if examples:
+        parts.append("\n".join(["Examples:", *(f"  {example}" for example in examples)]))
+    return "\n\n".join(parts) or None
+
+
+def verb_parser(verb: str) -> tuple[ModuleType, argparse.ArgumentParser]:
+    """The verb's module and its command line parser (without what follows `--`)."""
+    module_name, help_text = COMMANDS[verb]
+    module = importlib.import_module(module_name)
+    # Raw: the examples keep their lines; the rest of the epilog is wrapped by `epilog_with_examples`.
+    parser = argparse.ArgumentParser(
+        prog=f"trainer {verb}", description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    module.configure_parser(parser)
+    parser.epilog = epilog_with_examples(parser.epilog, getattr(module, "EXAMPLES", ()))
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=logsetup.LEVELS,
+        help=f"this command's own log lines on stderr (time, host, rank, level); default: "
+        f"${logsetup.LEVEL_VARIABLE} or {logsetup.DEFAULT_LEVEL} (for the nodes of a launch: "
+        f"--env {logsetup.LEVEL_VARIABLE}=DEBUG)",
+    )
+    return module, parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -67,18 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in COMMANDS:
         print(f"trainer: unknown command {verb!r}\n\n{_usage()}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    module_name, help_text = COMMANDS[verb]
-    module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"trainer {verb}", description=help_text)
-    module.configure_parser(parser)
-    parser.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=logsetup.LEVELS,
-        help=f"this command's own log lines on stderr (time, host, rank, level); default: "
-        f"${logsetup.LEVEL_VARIABLE} or {logsetup.DEFAULT_LEVEL} (for the nodes of a launch: "
-        f"--env {logsetup.LEVEL_VARIABLE}=DEBUG)",
-    )
+    module, parser = verb_parser(verb)
     command: list[str] = []
     if getattr(module, "TAKES_COMMAND", False) and "--" in rest:
         split = rest.index("--")

@@ -144,6 +144,9 @@ def write_report(run_dir: Path) -> list[Path]:
     return written
 
 
+EXAMPLES = ("trainer report /shared/runs/qwen-lora  # loss, lr, tokens/s, step time as PNGs in the run dir",)
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "run_dir", type=Path, metavar="RUN_DIR", help="a run's output_dir (has metrics.jsonl)"

@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from trainer.node.config import TrainerConfig
     from trainer.node.loop import StepHook
 
+EXAMPLES = (
+    "trainer train --dry-run --set train.max_steps=200  # check the config and data sizing, train nothing",
+    "torchrun --nproc-per-node 2 -m trainer train --config trainer/node/configs/finetune-lora.yaml",
+    "trainer train --help-config  # every config key with its type, default and meaning",
+)
+
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(

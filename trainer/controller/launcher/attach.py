@@ -46,6 +46,8 @@ from trainer.controller.launcher.runlock import LockError, describe_holder, hold
 from trainer.controller.launcher.status import launch_info, launcher_alive
 from trainer.controller.launcher.topology import TopologyError
 
+EXAMPLES = ("trainer attach -i inventory/mycluster --run-name qwen-lora  # after its launcher died",)
+
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-i", "--inventory", required=True, help="inventory directory or file")

@@ -27,9 +27,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from trainer.controller.launcher.world import WorldCheck
 from trainer.peer_loss import is_peer_loss
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)")
+#: The job's throughput in the bundled trainer's step line (trainer.node.metrics.step_line).
+STEP_TOKENS_PER_S = re.compile(r"\btok/s ([\d,]+)")
 GPU_FAULT_LINE = re.compile(
     r"GPU_FAULT host=(?P<host>\S+) rank=(?P<rank>\S+) gpu=(?P<gpu>\S+) uuid=(?P<uuid>\S+) "
     r"metric=(?P<metric>\S+) value=(?P<value>\S+)"
@@ -58,6 +61,64 @@ def printable(text: str) -> str:
     """Remote output with its control characters spelled out: an ESC sequence in a rank's log cannot
     clear the operator's screen, move the cursor or fake lines (a carriage return included)."""
     return text.translate(_CONTROLS)
+
+
+def short_duration(seconds: float) -> str:
+    """`45s`, `3m12s`, `1h04m`, `2d03h`: an ETA to the nearest unit that matters."""
+    whole = max(0, round(seconds))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+@dataclass
+class StepRate:
+    """The live view's step text from rank 0's `step N/M` lines: the trainer's own tokens/s, and an
+    ETA from the steps done since the first step line seen, over the time since (so a resumed run's
+    rate is its own, and the start-up before the first step does not count)."""
+
+    #: (step, when its line arrived, time.monotonic()): where the rate is counted from.
+    first: tuple[int, float] | None = None
+    last: tuple[int, float] | None = None
+    max_steps: int = 0
+    tokens_per_s: str = ""
+
+    def see(self, line: str, now: float) -> str:
+        """Take one step line that arrived at `now`; the step text to show."""
+        match = STEP_LINE.match(line)
+        if match is None:
+            return self.text()
+        step, self.max_steps = int(match.group(1)), int(match.group(2))
+        # Lines of one poll arrive together (an attach brings the last 20 at once): the rate counts
+        # from the last of the first batch, not from lines logged long before they arrived.
+        if self.first is None or self.first[1] == now or step < self.first[0]:
+            self.first = (step, now)
+        self.last = (step, now)
+        tokens = STEP_TOKENS_PER_S.search(line)
+        self.tokens_per_s = f"{tokens.group(1)} tok/s" if tokens else ""
+        return self.text()
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.first is None or self.last is None or self.last[0] >= self.max_steps:
+            return None
+        steps, seconds = self.last[0] - self.first[0], self.last[1] - self.first[1]
+        if steps <= 0 or seconds <= 0:
+            return None
+        return (self.max_steps - self.last[0]) * seconds / steps
+
+    def text(self) -> str:
+        """`step 40/200 · 1,234 tok/s · ETA 3m12s`, each part once it is known."""
+        if self.last is None:
+            return ""
+        parts = [f"step {self.last[0]}/{self.max_steps}", self.tokens_per_s]
+        if (eta := self.eta_s) is not None:
+            parts.append(f"ETA {short_duration(eta)}")
+        return " · ".join(part for part in parts if part)
 
 
 @dataclass
@@ -252,6 +313,7 @@ class JobMonitor:
         stall_timeout_s: float | None = None,
         progress_from_steps: bool = True,
         ranks: dict[str, range] | None = None,
+        world: WorldCheck | None = None,
     ) -> None:
         self.hosts = {name: HostState(name, rank) for name, rank in sorted(hosts.items(), key=lambda i: i[1])}
         self.rank0_host = head_host
@@ -260,7 +322,11 @@ class JobMonitor:
         self.stall_timeout_s = stall_timeout_s
         self.progress_from_steps = progress_from_steps
         self.ranks = ranks or {}
+        #: A user's command on several nodes: whether every worker joined the head's job (world.py).
+        self.world = world
+        #: What the state line shows of rank 0's last `step N/M` line: tokens/s and the ETA with it.
         self.step = ""
+        self.step_rate = StepRate()
         #: The last step rank 0 logged (`step N/M`).
         self.last_step: int | None = None
         self.first_step_at: float | None = None
@@ -325,6 +391,8 @@ class JobMonitor:
                 self.last_progress_at = hs.last_output_at
         for record in report.get("progress") or []:
             hs.progress[int(record.get("rank", 0))] = record
+        if self.world is not None:
+            self.world.note(hs.host, report.get("state"), report.get("joined"))
         if report.get("errors"):
             hs.errors = list(report["errors"])
         if report.get("rank_exits"):
@@ -345,10 +413,11 @@ class JobMonitor:
                 self.last_progress_at = now
                 self.watchdog_armed = bool(key)
         if hs.host == self.rank0_host:
+            arrived = time.monotonic()
             for line in lines:
                 self.view.log(line)
                 if match := STEP_LINE.match(line):
-                    self.step = f"step {match.group(1)}/{match.group(2)}"
+                    self.step = self.step_rate.see(line, arrived)
                     self.last_step = int(match.group(1))
                     if self.first_step_at is None:
                         self.first_step_at = time.time()
@@ -391,6 +460,12 @@ class JobMonitor:
             ):
                 hs.miss_error = f"no answer for {now - hs.missing_since:.0f} s: {hs.miss_error}".rstrip(": ")
                 self.mark_lost(hs)
+        if self.world is not None and not self.failed:
+            final = {hs.host for hs in self.hosts.values() if hs.final}
+            for line in self.world.judge(final, now):
+                self.view.message(line)
+            if self.world.failure is not None:
+                self._note_failure()
         silent = time.monotonic() - self.last_progress_at
         # A node gone silently (no reset connections: its peers wait in their collective instead of
         # failing): it does not answer and no rank has advanced since, for longer than any pause this
@@ -470,7 +545,7 @@ class JobMonitor:
         """Stop every node now: a stall; a node that does not answer while a peer logs that its
         collective broke; a failure that is a cause (not only a broken collective); or one that is,
         once its cause showed (a node that does not answer) or CONFIRM_S passed."""
-        if self.stall is not None:
+        if self.stall is not None or (self.world is not None and self.world.failure is not None):
             return True
         missing = [hs for hs in self.hosts.values() if hs.missing_since is not None and not hs.final]
         if missing and any(

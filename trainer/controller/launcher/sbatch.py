@@ -25,6 +25,10 @@ from trainer.controller.launcher.topology import DEFAULT_MASTER_PORT, TopologyEr
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
 TAKES_COMMAND = True
 DESCRIBED_BY_OPTIONS = Path("(trainer sbatch options)")
+EXAMPLES = (
+    "trainer sbatch -i inventory/mycluster --run-name qwen-lora --time 24:00:00  # writes qwen-lora.sbatch",
+    "trainer sbatch --nodes 4 --gpus-per-node 8 --partition gpu -o job.sbatch -- bash finetune/train.sh",
+)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

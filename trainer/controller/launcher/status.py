@@ -28,6 +28,10 @@ from trainer.controller.runner import PlaybookResult, run_playbook
 PLAYBOOKS = Path(__file__).parent / "playbooks"
 STATUS_TASK = "Read the node's state"
 COMMAND_TIMEOUT_S = 60
+EXAMPLES = (
+    "trainer status -i inventory/mycluster --run-name qwen-lora",
+    "trainer status -i inventory/mycluster --run-name qwen-lora --lines 0 --json  # for tools",
+)
 
 
 def read_nodes(plan: JobPlan, nodes: dict[str, int], tail: int) -> PlaybookResult:
@@ -70,7 +74,9 @@ def launch_info(plan: JobPlan, tail: int = 0) -> tuple[dict[str, Any] | None, di
     if report is None:
         return None, None, f"cannot read the head {head.host}: {problem_of(result, head.host)}"
     if not report.get("info"):
-        return None, report, f"run {plan.run_name} has no launch on {head.host} ({plan.launch_dir})"
+        runs = [name for name in report.get("runs") or [] if name != plan.run_name]
+        known = f"; runs launched there: {', '.join(runs)} (--run-name NAME)" if runs else ""
+        return None, report, f"run {plan.run_name} has no launch on {head.host} ({plan.launch_dir}){known}"
     return report["info"], report, ""
 
 

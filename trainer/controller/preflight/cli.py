@@ -43,6 +43,10 @@ DEFAULT_REPORT = Path("output/preflight.json")
 PROBE_CHECKS = tuple(check for check in CHECKS if check != "deepspeed")
 DEFAULT_BANDWIDTH_GBIT = 10.0
 INTERRUPTED = 130
+EXAMPLES = (
+    "trainer preflight -i inventory/mycluster",
+    "trainer preflight -i inventory/mycluster --skip bandwidth deepspeed --json  # the report on stdout",
+)
 
 
 def _positive(text: str) -> float:

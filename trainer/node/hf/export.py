@@ -24,6 +24,11 @@ from typing import Any
 from trainer import exitcodes
 from trainer.configerror import ConfigError
 
+EXAMPLES = (
+    "trainer export /shared/runs/qwen-lora qwen-lora-hf  # the run's latest checkpoint",
+    "trainer export /shared/runs/qwen-lora/checkpoints/step-1000 qwen-merged --merge-lora",
+)
+
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(

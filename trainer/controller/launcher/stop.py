@@ -1,0 +1,142 @@
+"""`trainer stop -i INVENTORY [--run-name NAME]`: stop a run on every node of its last launch.
+
+The launch's nodes are read from the head first (`launch.json`): after `--exclude-failed` they are
+fewer than the inventory's and numbered anew, so the inventory alone would stop the wrong node dirs.
+Then stop.yml stops each node's trainer (node_ctl.py `stop`: TERM to its process group, KILL to what
+is left after --stop-grace) and the head's history.jsonl records who stopped it. A launcher or
+`trainer attach` that follows the run sees every node stopped and ends. `trainer launch --stop` is
+this same stop.
+
+The run's lock is left alone: a launcher that still runs releases its own as it ends; the lock of
+one that died stays, and the stop says so and what the next launch needs (`--force`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import getpass
+import socket
+import sys
+from typing import Any
+
+from trainer import exitcodes
+from trainer.controller.access import add_access_arguments, configure_access
+from trainer.controller.inventory import Cluster, InventoryError, load_cluster
+from trainer.controller.launcher.launch import STOP_TASK, Launcher, WatchOptions
+from trainer.controller.launcher.live import LiveView
+from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError, make_plan
+from trainer.controller.launcher.runlock import describe_holder, holder_state
+from trainer.controller.launcher.status import launch_info
+from trainer.controller.launcher.topology import TopologyError
+from trainer.controller.runner import PlaybookResult
+
+EXAMPLES = (
+    "trainer stop -i inventory/mycluster --run-name qwen-lora",
+    "trainer stop -i inventory/local --stop-grace 60  # the default run; 60 s to exit before KILL",
+)
+
+
+class StopError(Exception):
+    """The stop cannot go ahead (bad input); nothing was stopped. The message says why and the fix."""
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-i", "--inventory", required=True, help="inventory directory or file")
+    parser.add_argument("--run-name", default=DEFAULT_RUN_NAME, help="the run to stop (default: %(default)s)")
+    parser.add_argument(
+        "--stop-grace",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds each node's trainer gets between TERM and KILL (default: %(default)g)",
+    )
+    add_access_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.stop_grace < 0:
+        print("trainer stop: --stop-grace must be 0 or more seconds", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    try:
+        configure_access(args)
+        cluster = load_cluster(args.inventory)
+    except (InventoryError, TopologyError, PlanError) as err:
+        print(f"trainer stop: {err}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    return stop_run(cluster, args.run_name, WatchOptions(stop_grace_s=args.stop_grace), "trainer stop")
+
+
+def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) -> int:
+    """Stop run `run_name` on every node of its last launch, a line per node; the exit code."""
+    view = LiveView()
+    try:
+        plan = make_plan(cluster, run_name=run_name)
+        info, head_report, problem = launch_info(plan)
+        if info is not None:
+            plan = launched_plan(cluster, run_name, info)
+        elif head_report is not None and run_name not in (head_report.get("runs") or []):
+            raise StopError(problem)
+        else:
+            # The head does not answer, or started nothing of a run that exists (its start failed):
+            # the inventory's nodes are the best guess of where the launch runs.
+            view.message(f"{problem}: stopping the run on every node of the inventory")
+    except (InventoryError, TopologyError, PlanError, StopError) as err:
+        print(f"{verb}: {err}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    launcher = Launcher(plan, options, command=verb)
+    launcher.launch_id = str((info or {}).get("launch_id") or launcher.launch_id)
+    result = launcher.stop(record=stop_record(info, verb))
+    report_stop(launcher, result, view)
+    holder = (head_report or {}).get("lock")
+    if holder and holder_state(holder) == "dead":
+        view.message(
+            f"run {run_name} stays locked by {describe_holder(holder)}, which no longer runs: the next "
+            f"`trainer launch` of it needs --force (or `trainer attach` takes the lock and ends at once)"
+        )
+    return exitcodes.OK if result.succeeded else exitcodes.FAILURE
+
+
+def launched_plan(cluster: Cluster, run_name: str, info: dict[str, Any]) -> JobPlan:
+    """The plan of the launch `info` (launch.json) describes: its own nodes, with their own ranks."""
+    nodes = {str(host): int(rank) for host, rank in (info.get("nodes") or {}).items()}
+    plan = make_plan(
+        dataclasses.replace(cluster, workers=tuple(h for h in cluster.workers if h.name in nodes)),
+        run_name=run_name,
+    )
+    if {n.host: n.node_rank for n in plan.topology.nodes} != nodes:
+        raise StopError(
+            f"run {run_name}'s last launch ran on {nodes} (node -> rank), which the inventory no longer "
+            "matches; give the inventory it was launched with"
+        )
+    return plan
+
+
+def stop_record(info: dict[str, Any] | None, verb: str) -> dict[str, Any]:
+    """The head's history record of this stop: who asked for it."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "?"
+    return {
+        "event": "stopped",
+        "launch_id": (info or {}).get("launch_id"),
+        "attempt": (info or {}).get("attempt"),
+        "why": "stop_command",
+        "detail": f"{verb} by {user} on {socket.gethostname()}",
+        "hosts": [],
+    }
+
+
+def report_stop(launcher: Launcher, result: PlaybookResult, view: LiveView) -> None:
+    """One line per node: stopped, not running, or why the stop could not be confirmed there."""
+    for node in launcher.plan.topology.nodes:
+        item = result.task_result(node.host, STOP_TASK)
+        if item is not None and item.status == "ok":
+            state = "stopped" if item.result.get("stopped") else "not running"
+        elif node.host in result.unreachable:
+            message = result.unreachable[node.host][-1].message.splitlines()
+            state = f"unreachable ({message[0][:200] if message else 'no answer'}): its trainer may still run"
+        else:
+            state = f"could not stop: {item.message if item else 'no answer'}"
+        view.log(f"[{node.host}] node {node.node_rank}: {state}")
