@@ -33,7 +33,6 @@ def loopback_cluster(tmp_path) -> tuple[Path, Path]:
     local = {
         "ansible_connection": "local",
         "ansible_python_interpreter": "{{ ansible_playbook_python }}",
-        "cluster_ip": "127.0.0.1",
         "cluster_accelerators": 0,
         "cluster_accelerator_model": "cpu",
     }
@@ -42,8 +41,9 @@ def loopback_cluster(tmp_path) -> tuple[Path, Path]:
     hosts = {
         "cluster": {
             "children": {
-                "head": {"hosts": {"node0": dict(local)}},
-                "workers": {"hosts": {"node1": dict(local)}},
+                # One address per host, as the inventory rules require: all of 127/8 is on lo.
+                "head": {"hosts": {"node0": dict(local, cluster_ip="127.0.0.1")}},
+                "workers": {"hosts": {"node1": dict(local, cluster_ip="127.0.0.2")}},
             }
         }
     }
@@ -93,7 +93,7 @@ def test_two_node_loopback_launch_trains_and_writes_outputs(loopback_cluster):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and len(set(map(str, summary["param_checksums"]))) == 1
     launch = run / "launch"
-    assert (launch / "hostfile").read_text() == "127.0.0.1 slots=1\n127.0.0.1 slots=1\n"
+    assert (launch / "hostfile").read_text() == "127.0.0.1 slots=1\n127.0.0.2 slots=1\n"
     assert yaml.safe_load((launch / "accelerate-node1.yaml").read_text())["machine_rank"] == 1
     assert json.loads((launch / "deepspeed.json").read_text())["train_batch_size"] == 2 * summary.get(
         "micro_batch_size", yaml.safe_load((launch / "config.yaml").read_text())["train"]["micro_batch_size"]
@@ -232,6 +232,25 @@ def test_a_node_without_the_trainer_stops_the_launch_before_any_node_starts(loop
     assert done.returncode == 1, out
     assert "could not start on node1" in out and "/nonexistent/venv" in out and "make provision" in out, out
     assert not (shared / "runs" / "novenv" / "launch" / "node-0").exists(), "node0 did not start either"
+
+
+def test_the_launch_says_which_value_of_the_config_file_it_overrides(loopback_cluster, tmp_path):
+    inventory, _ = loopback_cluster
+    config = tmp_path / "mine.yaml"
+    config.write_text("train:\n  max_steps: 500\n")
+    # node1 cannot start (no venv): the launch stops at its probe, after saying what it starts.
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    hosts["cluster"]["children"]["workers"]["hosts"]["node1"]["training_venv"] = "/nonexistent/venv"
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    done = subprocess.run(
+        launch_command(inventory, "--config", str(config), "--set", "train.max_steps=6"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "overruled: train.max_steps: 6 from --set (your --config file says 500)" in out, out
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])

@@ -146,3 +146,86 @@ def test_plan_table_names_the_settings(capsys):
     out = capsys.readouterr().out
     for text in ("NNODES", "MASTER_PORT", "29500", "auto (resolved at launch", "effective batch size"):
         assert text in out
+
+
+def write_config(tmp_path: Path, tree: dict) -> Path:
+    config = tmp_path / "mine.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    return config
+
+
+def test_the_config_file_wins_over_the_inventory_and_every_value_names_its_source(tmp_path, capsys):
+    """trainer default < inventory group_vars < the config file: the file's engine, ZeRO stage, data
+    path and webhook are this job's choice, the inventory's only the cluster's default."""
+    inventory = three_nodes(
+        tmp_path,
+        training_engine="deepspeed",
+        training_zero_stage=3,
+        cluster_data_path="/srv/shared/data/cluster.txt",
+        training_health_webhook_url="https://hooks.example/inventory-secret",
+    )
+    config = write_config(
+        tmp_path,
+        {
+            "distributed": {"engine": "deepspeed", "zero_stage": 1},
+            "data": {"path": "/srv/shared/data/mine.txt"},
+            "health": {"webhook_url": "https://hooks.example/file-secret"},
+        },
+    )
+    assert main(["plan", "-i", str(inventory), "--config", str(config), "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "secret" not in text, "a webhook URL is a secret, whichever layer set it"
+    plan = json.loads(text)
+    sources = plan["sources"]
+    assert sources["distributed.zero_stage"] == {
+        "value": 1,
+        "source": "--config file",
+        "overruled": "the inventory's training_zero_stage says 3",
+    }
+    assert sources["data.path"]["value"] == "/srv/shared/data/mine.txt"
+    assert sources["data.path"]["source"] == "--config file"
+    # Equal values overrule nothing: the engine is the file's, and nothing is said about it.
+    engine = {"value": "deepspeed", "source": "--config file", "overruled": None}
+    assert sources["distributed.engine"] == engine
+    assert sources["train.max_steps"] == {"value": 80, "source": "trainer default", "overruled": None}
+    assert sources["lora.enabled"]["source"] == "trainer default"
+    assert plan["overruled"] == [
+        "data.path: /srv/shared/data/mine.txt from --config file (the inventory's cluster_data_path says "
+        "/srv/shared/data/cluster.txt)",
+        "distributed.zero_stage: 1 from --config file (the inventory's training_zero_stage says 3)",
+        "health.webhook_url: <redacted> from --config file (the inventory's training_health_webhook_url "
+        "says <redacted>)",
+    ]
+
+    # A config file that leaves them out: the inventory's values train, and say where they come from.
+    plan = make_plan(inventory, config=str(write_config(tmp_path, {"train": {"max_steps": 40}})))
+    assert (plan.engine, plan.config["distributed"]["zero_stage"]) == ("deepspeed", 3)
+    assert plan.config["data"]["path"] == "/srv/shared/data/cluster.txt"
+    assert plan.sources["distributed.zero_stage"].source == "inventory group_vars (training_zero_stage)"
+    assert plan.sources["train.max_steps"].source == "--config file"
+    assert plan.overruled == []
+
+
+def test_a_set_or_engine_over_the_config_file_is_said_in_one_line(tmp_path, capsys):
+    """The more explicit wins (--set over the file, --engine over both), and the plan says which
+    value of the user's file it overrode, one line each, besides each row's source."""
+    inventory = three_nodes(tmp_path)
+    config = write_config(tmp_path, {"train": {"max_steps": 500}, "distributed": {"engine": "ddp"}})
+    args = ["plan", "-i", str(inventory), "--config", str(config), "--set", "train.max_steps=20"]
+    assert main([*args, "--engine", "deepspeed"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("overruled")] == [
+        "overruled: train.max_steps: 20 from --set (your --config file says 500)",
+        "overruled: distributed.engine: deepspeed from --engine (your --config file says ddp)",
+    ]
+    assert re.search(r"│ steps +│ 20 \(--set\)", out), out
+    assert re.search(r"│ engine +│ deepspeed \(--engine\)", out), out
+    assert re.search(r"│ ZeRO stage +│ 2 \(trainer default\)", out), out
+    assert re.search(r"│ model +│ the built-in tiny GPT \(trainer default\)", out), out
+    assert re.search(r"│ LoRA +│ off \(trainer default\)", out), out
+
+    # The inventory's training_config is the config file when --config is not given.
+    inventory = three_nodes(tmp_path / "with-file", training_config=str(config))
+    plan = make_plan(inventory, overrides=["train.max_steps=20"])
+    assert plan.overruled == ["train.max_steps: 20 from --set (the training_config file says 500)"]
+    assert plan.sources["distributed.engine"].source == "training_config file"

@@ -14,8 +14,9 @@ with a timeout, no module built or copied.
   new lines (rank 0's are shown, plus a state line per host), streamed through the runner's channel
   rather than as Ansible events; after a clean end on every node it releases the lock;
 - stop.yml stops the process group on every node (with each rank's stack first after a stall). It
-  runs as soon as any host fails, on Ctrl-C, TERM or HUP, and with `--stop`; the last stop of a
-  launch (no restart follows) releases the lock.
+  runs as soon as any host fails, on Ctrl-C, TERM or HUP, and with `--stop` (stop.py, `trainer
+  stop`); the last stop of a launch (no restart follows) releases the lock. A run stopped from
+  outside (`trainer stop`) ends the attempt as stopped, exit 130, with no restart.
 
 A node that stops answering is shown as `unreachable (Ns)` while its trainer keeps running; it is
 lost at once when its peers' collectives fail meanwhile, else after `--unreachable-grace` seconds.
@@ -70,6 +71,7 @@ from trainer.controller.launcher.runlock import (
 )
 from trainer.controller.launcher.runscript import node_dir, run_script
 from trainer.controller.launcher.topology import AUTO_IFNAME, TopologyError
+from trainer.controller.launcher.world import WORLD_TIMEOUT_S, WorldCheck
 from trainer.controller.runner import (
     PlaybookResult,
     PrestartedRun,
@@ -136,6 +138,11 @@ LAUNCH_VARS = frozenset(
 )
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
 TAKES_COMMAND = True
+EXAMPLES = (
+    "trainer launch -i inventory/mycluster --run-name first --set train.max_steps=200",
+    "trainer launch -i inventory/mycluster --run-name qwen-lora --config finetune-lora.yaml --max-restarts 2",
+    "trainer launch -i inventory/mycluster --env WANDB_API_KEY -- bash finetune/finetune_lora_ds.sh",
+)
 #: The bundled trainer's default --stall-timeout (a user's command has none unless given).
 BUNDLED_STALL_TIMEOUT_S = 600.0
 
@@ -174,6 +181,7 @@ class WatchOptions:
     unreachable_grace_s: float = 60.0
     stall_timeout_s: float | None = None
     stop_grace_s: float = 10.0
+    world_timeout_s: float = WORLD_TIMEOUT_S
 
     @property
     def status_timeout_s(self) -> float:
@@ -258,6 +266,10 @@ class Launcher:
             "unreachable_grace_s": options.unreachable_grace_s,
             "stall_timeout_s": options.stall_timeout_s,
             "stop_grace_s": options.stop_grace_s,
+            "world_timeout_s": options.world_timeout_s,
+            # A user's command on several nodes: each worker's node_ctl reports whether it connected
+            # to the head (world.py judges it).
+            "world_check": {"head_address": plan.topology.master_addr} if self.world_checked else {},
             "micro_batch_size": plan.micro_batch_size if plan.runs_bundled_trainer else None,
             "gradient_accumulation_steps": plan.gradient_accumulation_steps
             if plan.runs_bundled_trainer
@@ -406,8 +418,23 @@ class Launcher:
 
     # --- one attempt --------------------------------------------------------------------------
 
+    @property
+    def world_checked(self) -> bool:
+        """The bundled trainer knows its world; a user's command on one node has nothing to join."""
+        return not self.plan.runs_bundled_trainer and self.plan.topology.nnodes > 1
+
     def monitor(self, view: LiveView) -> JobMonitor:
         topo = self.plan.topology
+        world = None
+        if self.world_checked:
+            world = WorldCheck(
+                workers=tuple(n.host for n in topo.nodes[1:]),
+                head=topo.head.host,
+                endpoint=f"{topo.master_addr}:{topo.master_port}",
+                strict=self.plan.user_launcher is not None,
+                launcher=self.plan.user_launcher or "",
+                timeout_s=self.options.world_timeout_s,
+            )
         return JobMonitor(
             {n.host: n.node_rank for n in topo.nodes},
             topo.head.host,
@@ -416,6 +443,7 @@ class Launcher:
             stall_timeout_s=self.options.stall_timeout_s,
             progress_from_steps=self.plan.runs_bundled_trainer,
             ranks={n.host: n.global_ranks(topo.gpus_per_node) for n in topo.nodes},
+            world=world,
         )
 
     def attempt(
@@ -524,6 +552,11 @@ class Launcher:
                 f"{topo.master_addr}:{topo.master_port}); output in {plan.output_dir}, each node's log "
                 f"in {plan.launch_dir}/node-N/log"
             )
+            # What the plan says too: a value the user set that another one overrules, one line each.
+            from rich.markup import escape
+
+            for line in plan.overruled:
+                view.message(f"overruled: {escape(line)}")
             extravars = self.extravars(
                 launch_files={} if self.reuse_node_files else self.files,
                 launch_info=self.info(),
@@ -570,6 +603,16 @@ class Launcher:
                     f"output in {plan.output_dir}"
                 )
                 return Outcome(exitcodes.OK, "done")
+            stopped = [hs.host for hs in monitor.ordered if hs.state == "stopped"]
+            if stopped and not any(hs.failed and not hs.only_consequence for hs in monitor.ordered):
+                # This launcher has stopped nothing yet: `trainer stop` (or another follower's stop)
+                # did, and a peer that failed meanwhile lost its collective to that stop.
+                view.message(
+                    f"[yellow]stopped[/yellow]: run {plan.run_name} was stopped on {', '.join(stopped)} from "
+                    f"outside this launcher (trainer stop); nothing is restarted. Who stopped it: "
+                    f"{plan.launch_dir}/history.jsonl"
+                )
+                return Outcome(INTERRUPTED, "stopped", [], "stopped by trainer stop")
             stall = monitor.stall
             if not monitor.must_stop and result is not None and result.output.strip():
                 view.message("[red]trainer launch: the launch playbook ended early[/red]")
@@ -698,7 +741,7 @@ class Launcher:
         for problem in self.stop_problems(stopped):
             view.message(
                 f"[red]could not confirm the stop on {problem}[/red]: its trainer may still be running; "
-                f"stop it with `trainer launch -i INVENTORY --run-name {self.plan.run_name} --stop` once it "
+                f"stop it with `trainer stop -i INVENTORY --run-name {self.plan.run_name}` once it "
                 "answers"
             )
 
@@ -785,6 +828,15 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds a stopped trainer gets between TERM and KILL (default: 10)",
     )
+    parser.add_argument(
+        "--world-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="your command on several nodes: a node that runs S seconds without connecting to the head "
+        "formed a job of its own; the job is stopped (exit 2) when the command starts torchrun, "
+        f"accelerate or deepspeed, else a warning is shown (default: {WORLD_TIMEOUT_S:g})",
+    )
 
 
 def watch_options(
@@ -804,6 +856,7 @@ def watch_options(
         unreachable_grace_s=float(pick(args.unreachable_grace, "unreachable_grace_s", 60.0)),
         stall_timeout_s=float(stall) if stall else None,
         stop_grace_s=float(pick(args.stop_grace, "stop_grace_s", 10.0)),
+        world_timeout_s=float(pick(args.world_timeout, "world_timeout_s", WORLD_TIMEOUT_S)),
     )
 
 
@@ -813,7 +866,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop",
         action="store_true",
-        help="stop the run's trainer on every host (e.g. after the launcher died)",
+        help="stop the run's trainer on every host (e.g. after the launcher died): `trainer stop`",
     )
     add_watch_arguments(parser)
     add_restart_arguments(parser)
@@ -913,10 +966,15 @@ def run(args: argparse.Namespace) -> int:
         except (InventoryError, TopologyError, PlanError) as err:
             print(f"trainer launch: {err}", file=sys.stderr)
             return exitcodes.CONFIG_ERROR
+        if args.stop:
+            # stop.py builds on this module; imported where it is used, so neither imports the other
+            # at load time.
+            from trainer.controller.launcher.stop import stop_run
+
+            options = watch_options(args, plan.runs_bundled_trainer)
+            return stop_run(cluster, args.run_name, options, "trainer launch --stop")
         launcher = Launcher(plan, watch_options(args, plan.runs_bundled_trainer), prestarted=early)
         view = LiveView()
-        if args.stop:
-            return stop_every_node(launcher, view)
         install_signal_handlers(view)
         policy = RestartPolicy(
             launcher,
@@ -931,23 +989,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if early is not None:
             early.cancel()  # unused (an error, an interrupt): its ansible-playbook waits for nothing
-
-
-def stop_every_node(launcher: Launcher, view: LiveView) -> int:
-    """`trainer launch --stop`: each node's trainer stopped, one line per node."""
-    result = launcher.stop()
-    for host in launcher.hosts:
-        item = result.task_result(host, STOP_TASK)
-        if item is None or item.status != "ok":
-            state = (
-                "unreachable"
-                if host in result.unreachable
-                else f"could not stop: {item.message if item else 'no answer'}"
-            )
-        else:
-            state = "stopped" if item.result.get("stopped") else "not running"
-        view.log(f"[{host}] {state}")
-    return exitcodes.OK if result.succeeded else exitcodes.FAILURE
 
 
 def install_signal_handlers(view: LiveView) -> None:

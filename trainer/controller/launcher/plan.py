@@ -23,6 +23,7 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import Cluster, InventoryError, load_cluster
+from trainer.controller.launcher import command_forms, config_sources
 from trainer.controller.launcher.topology import AUTO_IFNAME, Node, Topology, TopologyError, build_topology
 from trainer.controller.training_env import (
     IB_AUTO,
@@ -66,10 +67,19 @@ class JobPlan:
     """Host -> the directory the command runs in (training_workdir, default the shared dir)."""
     extra_env: Mapping[str, ExtraEnv] = field(default_factory=dict, repr=False)
     """Host -> training_env with --env on top: the variables added to that node's environment."""
+    sources: Mapping[str, config_sources.Sourced] = field(default_factory=dict, repr=False)
+    """Dotted config key -> its value (redacted) and where it came from (config_sources): what
+    will train, and every value a layer set."""
 
     @property
     def runs_bundled_trainer(self) -> bool:
         return not self.user_command
+
+    @property
+    def overruled(self) -> list[str]:
+        """One line per config value that overrules what a lower layer set (config_sources.notes);
+        the bundled trainer's only: a user's own command does not read the trainer config."""
+        return config_sources.notes(self.sources) if self.runs_bundled_trainer else []
 
     @property
     def config_has_secrets(self) -> bool:
@@ -96,6 +106,26 @@ class JobPlan:
     def accelerate_config_path(self, node: Node) -> str:
         return str(PurePosixPath(self.launch_dir) / f"accelerate-node{node.node_rank}.yaml")
 
+    def command_form(self, node: Node) -> command_forms.Form:
+        """The user's command as `node` runs it, and the launcher it starts (command_forms)."""
+        topo = self.topology
+        return command_forms.adapt(
+            self.user_command,
+            command_forms.NodeValues(
+                nnodes=topo.nnodes,
+                node_rank=node.node_rank,
+                master_addr=topo.master_addr,
+                master_port=topo.master_port,
+                accelerate_config=self.accelerate_config_path(node),
+                hostfile=str(PurePosixPath(self.launch_dir) / "hostfile"),
+            ),
+        )
+
+    @property
+    def user_launcher(self) -> str | None:
+        """The launcher the user's command starts (torchrun, accelerate, deepspeed) or None."""
+        return command_forms.launcher_of(self.user_command)[0]
+
     def workdir(self, node: Node) -> str:
         return self.workdirs.get(node.host) or self.shared_dir
 
@@ -105,6 +135,22 @@ class JobPlan:
         """What `node`'s command gets besides the secrets: the topology, the NCCL settings, the
         generated files and the public part of training_env/--env (written into run.sh as is)."""
         env = self.topology.node_env(node, resolved_ifname, resolved_ib_disable)
+        topo = self.topology
+        # torchrun reads each option it is not given from PET_<OPTION>: a plain `torchrun train.py`
+        # (many READMEs' form) then joins this job instead of starting one of its own per node.
+        env |= {
+            "PET_NNODES": str(topo.nnodes),
+            "PET_NODE_RANK": str(node.node_rank),
+            "PET_NPROC_PER_NODE": str(topo.gpus_per_node),
+            "PET_MASTER_ADDR": topo.master_addr,
+            "PET_MASTER_PORT": str(topo.master_port),
+            "PET_RDZV_BACKEND": "static",
+        }
+        if not int(node.vars.get("cluster_accelerators") or 0):
+            # The generated accelerate file says MULTI_GPU so that `accelerate launch` starts
+            # GPUS_PER_NODE processes; on a CPU node this makes Accelerator() pick gloo (MULTI_CPU)
+            # even in a script that does not pass cpu=True, instead of one single-process job each.
+            env["ACCELERATE_USE_CPU"] = "true"
         env["CLUSTER_OUTPUT_DIR"] = self.output_dir
         env["DEEPSPEED_CONFIG"] = self.deepspeed_config_path
         env["ACCELERATE_CONFIG_FILE"] = self.accelerate_config_path(node)
@@ -126,6 +172,14 @@ class JobPlan:
         extra = self.extra_env.get(node.host, ExtraEnv())
         env.update(redact_env(extra.secrets, extra.secret))
         return env
+
+    @property
+    def collective_timeout_s(self) -> int:
+        """The bundled trainer's distributed.timeout_s (its config file may set it over
+        cluster_nccl_timeout_s); the inventory's for a user's own command."""
+        if self.runs_bundled_trainer:
+            return int(self.config["distributed"]["timeout_s"])
+        return self.topology.nccl_timeout_s
 
     @property
     def micro_batch_size(self) -> int:
@@ -152,7 +206,7 @@ class JobPlan:
         trainer's `@record`), which `trainer launch` reads to name the root cause.
         """
         if self.user_command:
-            return list(self.user_command)
+            return list(self.command_form(node).command)
         topo = self.topology
         venv = PurePosixPath(self.training_venv)
         return [
@@ -178,11 +232,14 @@ class JobPlan:
             "run_name": self.run_name,
             "engine": self.engine if bundled else None,
             "user_command": list(self.user_command) or None,
+            "user_launcher": self.user_launcher,
             "output_dir": self.output_dir,
             "training_venv": self.training_venv,
             "training_user": self.training_user,
             "config_source": self.config_source,
             "overrides": [redact_override(o) for o in self.overrides],
+            "sources": {k: v.as_dict() for k, v in self.sources.items()} if bundled else None,
+            "overruled": self.overruled,
             "micro_batch_size": self.micro_batch_size if bundled else None,
             "gradient_accumulation_steps": self.gradient_accumulation_steps if bundled else None,
             "effective_batch_size": self.effective_batch_size if bundled else None,
@@ -259,31 +316,23 @@ def make_plan(
         raise PlanError("; ".join(err.problems)) from None
     cluster = inventory if isinstance(inventory, Cluster) else load_cluster(inventory)
     topology = build_topology(cluster)
+    if command and (why := command_forms.problem(command, topology.nnodes)):
+        raise PlanError(why)
     shared_dir = _absolute(cluster, "cluster_shared_dir")
     venv = _absolute(cluster, "training_venv")
     config_path = _config_path(cluster, config)
     workdirs, extra_env = _node_settings(cluster, shared_dir, cli_env)
 
-    # Inventory settings first, the user's --set after them (last one wins), --engine last of all.
-    derived: list[str] = []
-    user_sets_engine = any(o.split("=", 1)[0].strip() == "distributed.engine" for o in overrides)
-    inventory_engine = str(cluster.head.get("training_engine") or "")
-    if inventory_engine and not engine and not user_sets_engine:
-        derived.append(f"distributed.engine={inventory_engine}")
-    zero_stage = cluster.head.get("training_zero_stage")
-    if zero_stage not in (None, ""):
-        derived.append(f"distributed.zero_stage={zero_stage}")
-    # The seed guides' "increase the NCCL timeout": the trainer's process-group timeout.
-    derived.append(f"distributed.timeout_s={topology.nccl_timeout_s}")
-    data_path = str(cluster.head.get("cluster_data_path") or "")
-    if data_path:
-        derived.append(f"data.path={data_path}")
-    # A secret, usually vaulted in the inventory; shown redacted like any health.webhook_url.
-    if webhook_url := str(cluster.head.get("training_health_webhook_url") or ""):
-        derived.append(f"health.webhook_url={webhook_url}")
-    final = [*derived, *overrides]
-    if engine:
-        final.append(f"distributed.engine={engine}")
+    # One precedence rule (config_sources): trainer default < inventory group_vars < the config
+    # file < --set < --engine; an inventory value goes in only where the file does not set the key.
+    layers = config_sources.Layers(
+        inventory=_inventory_settings(cluster),
+        file_label="--config" if config else "training_config",
+        file_values=config_sources.read_file_values(config_path),
+        sets=tuple(overrides),
+        engine=engine,
+    )
+    final = layers.overrides()
     run_dir = str(PurePosixPath(shared_dir) / "runs" / run_name)
     final.append(f"output_dir={run_dir}")
 
@@ -295,6 +344,7 @@ def make_plan(
         loaded = load_config(config_path, final)
     except ConfigError as err:
         raise PlanError(f"trainer config: {err}") from None
+    shown_config = loaded.to_dict()
     return JobPlan(
         topology=topology,
         run_name=run_name,
@@ -304,12 +354,31 @@ def make_plan(
         training_user=str(cluster.head.get("cluster_training_user") or ""),
         config_source=str(config_path) if config_path else "embedded default",
         overrides=tuple(final),
-        config=loaded.to_dict(),
+        config=shown_config,
         node_config=loaded.to_dict(secrets=True),
+        sources=layers.sources(shown_config),
         user_command=tuple(command),
         workdirs=workdirs,
         extra_env=extra_env,
     )
+
+
+def _inventory_settings(cluster: Cluster) -> dict[str, tuple[str, Any]]:
+    """The trainer config values the inventory sets: dotted key -> (its variable, the value)."""
+    settings: dict[str, tuple[str, Any]] = {}
+    for key, var in (
+        ("distributed.engine", "training_engine"),
+        ("distributed.zero_stage", "training_zero_stage"),
+        # The seed guides' "increase the NCCL timeout": the trainer's process-group timeout.
+        ("distributed.timeout_s", "cluster_nccl_timeout_s"),
+        ("data.path", "cluster_data_path"),
+        # A secret, usually vaulted in the inventory; shown redacted like any health.webhook_url.
+        ("health.webhook_url", "training_health_webhook_url"),
+    ):
+        value = cluster.head.get(var)
+        if value not in (None, ""):
+            settings[key] = (var, value)
+    return settings
 
 
 def _node_settings(
@@ -390,6 +459,11 @@ COMMAND_EPILOG = (
 )
 #: cli.py gives these verbs what follows `--` as args.command.
 TAKES_COMMAND = True
+EXAMPLES = (
+    "trainer plan -i inventory/mycluster  # ranks, master, NCCL settings, each node's environment",
+    "trainer plan -i inventory/mycluster --engine deepspeed --set train.max_steps=1000 --json",
+    "trainer plan -i inventory/mycluster -- bash finetune/finetune_lora_ds.sh  # your own command",
+)
 
 
 def plan_from_args(args: argparse.Namespace) -> JobPlan:
@@ -432,7 +506,7 @@ def print_plan(plan: JobPlan, console: Any = None) -> None:
     )
     if plan.runs_bundled_trainer:
         job = [
-            ("engine", plan.engine),
+            *config_sources.rows(plan.sources),
             (
                 "effective batch size",
                 f"{plan.effective_batch_size} = micro batch {plan.micro_batch_size} × world "
@@ -441,6 +515,25 @@ def print_plan(plan: JobPlan, console: Any = None) -> None:
         ]
     else:
         job = [("command", f"your own: {shlex.join(plan.user_command)}")]
+        if plan.user_launcher:
+            added = plan.command_form(topo.head).added
+            job.append(
+                (
+                    "launcher",
+                    f"{plan.user_launcher}: reads "
+                    + ", ".join(command_forms.READS[plan.user_launcher])
+                    + (f"; added on each node: {' '.join(added)}" if added else ""),
+                )
+            )
+        elif topo.nnodes > 1:
+            job.append(
+                (
+                    "launcher",
+                    "not one the launcher recognises (torchrun, python -m torch.distributed.run, "
+                    "accelerate launch, deepspeed): it runs as given; after the start the launcher "
+                    "warns when a node never connects to the head",
+                )
+            )
     for key, value in (
         ("NNODES", topo.nnodes),
         ("MASTER_ADDR", topo.master_addr),
@@ -451,12 +544,14 @@ def print_plan(plan: JobPlan, console: Any = None) -> None:
         ("NCCL_SOCKET_IFNAME", ifname),
         ("NCCL_IB_DISABLE", ib_disable),
         ("NCCL_DEBUG", topo.nccl_debug),
-        ("collective timeout", f"{topo.nccl_timeout_s} s (distributed.timeout_s)"),
+        ("collective timeout", f"{plan.collective_timeout_s} s (distributed.timeout_s)"),
         ("trainer config", plan.config_source),
         ("output dir", plan.output_dir),
     ):
         summary.add_row(key, str(value))
     console.print(summary)
+    for line in plan.overruled:  # a value the user set that another one overrules: never silent
+        console.print(f"overruled: {line}", soft_wrap=True, markup=False, highlight=False)
     nodes = Table(title="Nodes", title_justify="left")
     for column in ("NODE_RANK", "host", "address", "global ranks"):
         nodes.add_column(column)
