@@ -91,3 +91,13 @@ def test_a_running_hosts_state_line_carries_the_step_text():
         monitor.hosts["node0"], {"state": "running", "lines": [step_line(5, 50, 3.0, 1e-3, 2500, 0.1)]}
     )
     assert describe(monitor.hosts["node0"]) == "running step 5/50 · 2,500 tok/s"
+
+
+@pytest.mark.parametrize(
+    ("lines", "problem"),
+    [("-3", "--lines must be 0 or more, not -3"), ("0", "--lines 0 prints nothing without -f")],
+)
+def test_logs_refuses_a_line_count_that_shows_nothing_before_reading_anything(lines, problem, capsys):
+    # No inventory is read: the count is refused first.
+    assert cli.main(["logs", "-i", "/nonexistent", "--lines", lines]) == 2
+    assert problem in capsys.readouterr().err

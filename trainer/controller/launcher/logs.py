@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     if args.lines < 0:
         print(f"trainer logs: --lines must be 0 or more, not {args.lines}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    if args.lines == 0 and not args.follow:
+        print("trainer logs: --lines 0 prints nothing without -f: give N >= 1, or add -f", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
     try:
         plan = plan_for_status(args)
     except (InventoryError, TopologyError, PlanError) as err:
