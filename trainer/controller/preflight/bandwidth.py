@@ -218,8 +218,11 @@ def measure(
         for pair in scheduled["pairs"]:
             client, server = pair["client"], pair["server"]
             answer = by_pair.get((client, server))
-            if answer is None:
-                started = servers.get(f"{server}#{scheduled['index']}") or {}
+            started = servers.get(f"{server}#{scheduled['index']}") or {}
+            if started.get("started") is False and started.get("error"):
+                # The client's "unable to connect" would hide why; the server step names the cause.
+                found.pairs[(client, server)] = (None, None, f"{server}: {started['error']}")
+            elif answer is None:
                 found.pairs[(client, server)] = (None, None, started.get("error") or why_missing(client))
             else:
                 found.pairs[(client, server)] = parse_iperf_json(answer)

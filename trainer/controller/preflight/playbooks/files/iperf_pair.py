@@ -1,18 +1,24 @@
 #!/usr/bin/env python3
 """One side of one iperf3 test: start a one-off server, or run the client against it.
 
-server: `iperf3 -s -1 -D` bound to this node's cluster address on a comm-range port; it exits after
-one test, and `stop` kills it if the client never came. client: `iperf3 -c --bidir -J`, retried
-briefly in case the server is still starting. Prints JSON; never fails.
+server: `iperf3 -s -1` bound to this node's cluster address on a comm-range port, started as a child
+in its own session (it outlives this script) and reported started only once it listens; it exits
+after one test. It prints its pid and start time, which the playbook hands to `stop`, and `stop`
+kills that process only if it still is that server (same start time, iperf3, this account's): no
+pidfile, so nothing another account can plant in a shared temp dir decides what gets signalled,
+and nodes that share /tmp do not collide. client: `iperf3 -c --bidir -J`, retried briefly in case
+the server is still starting. Prints JSON; never fails.
 """
 
 import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -26,11 +32,49 @@ def run(command, timeout):
         return 124, "", f"{command[0]} timed out after {timeout} s"
 
 
+#: How long a server may take to listen before it counts as not started.
+LISTEN_WITHIN_S = 15
+
+
+def start_time(pid):
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat): with the pid,
+    it names one process for the whole uptime, so a reused pid is never mistaken for the server."""
+    with open(f"/proc/{pid}/stat") as handle:
+        # The command name (field 2) may hold spaces and parentheses: count from the last ')'.
+        return int(handle.read().rsplit(")", 1)[1].split()[19])
+
+
 def server(args):
-    rc, _, err = run(
-        ["iperf3", "-s", "-1", "-D", "-B", args.bind, "-p", str(args.port), "-I", args.pidfile], 15
-    )
-    return {"started": rc == 0, "error": err.strip()[-400:] if rc else ""}
+    # Not `-D`: a daemon's bind error goes nowhere and its parent exits 0 anyway, so a server that
+    # never listened was reported started. As our child we see it listen or see it die, and why.
+    # Its output goes to a nameless file (O_TMPFILE), which no other account can open or replace.
+    with tempfile.TemporaryFile() as log:  # closing our copy leaves the server's open
+        return _start_server(args, log)
+
+
+def _start_server(args, log):
+    command = ["iperf3", "-s", "-1", "--forceflush", "-B", args.bind, "-p", str(args.port)]
+    try:
+        # A session of its own: the server outlives this script and Ansible's connection to the node.
+        proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    except FileNotFoundError:
+        return {"started": False, "error": "iperf3 is not installed on this node"}
+    deadline = time.monotonic() + LISTEN_WITHIN_S
+    while True:
+        code = proc.poll()
+        said = os.pread(log.fileno(), 65536, 0).decode(errors="replace")
+        if code is not None:
+            why = " ".join(said.split())[-400:] or "no output"
+            return {"started": False, "error": f"the iperf3 server exited ({code}) before it listened: {why}"}
+        if "Server listening" in said:
+            return {"started": True, "error": "", "pid": proc.pid, "start_time": start_time(proc.pid)}
+        if time.monotonic() > deadline:
+            proc.kill()  # our own child, not yet reaped: this pid cannot be anyone else's
+            proc.wait()
+            return {"started": False, "error": f"the iperf3 server did not listen within {LISTEN_WITHIN_S} s"}
+        time.sleep(0.05)
 
 
 def client(args):
@@ -62,16 +106,36 @@ def client(args):
     return {"peer": args.peer, "port": args.port, "error": result.get("error", ""), "end": keep}
 
 
-def stop(args):
+def still_our_server(pid, started):
+    """Whether pid is still the server this round started: same start time, the iperf3 program,
+    and this account's. Only then may stop signal it."""
     try:
-        with open(args.pidfile) as handle:
-            os.kill(int(handle.read().strip()), signal.SIGTERM)
-        stopped = True
-    except (OSError, ValueError):
-        stopped = False  # Already gone: the one-off server exits after its test.
-    with contextlib.suppress(OSError):
-        os.unlink(args.pidfile)
-    return {"stopped": stopped}
+        with open(f"/proc/{pid}/status") as handle:
+            uid = next(int(line.split()[1]) for line in handle if line.startswith("Uid:"))
+        program = os.readlink(f"/proc/{pid}/exe")
+        return (
+            start_time(pid) == started
+            and uid == os.getuid()
+            and program == os.path.realpath(shutil.which("iperf3") or "iperf3")
+        )
+    except (OSError, ValueError, IndexError, StopIteration):
+        return False  # gone (the one-off server exits after its test) or not readable: not ours
+
+
+def stop(args):
+    # The pid comes from this round's server step (through the playbook), never from a file; a
+    # positive pid only, so never a process group.
+    if args.pid <= 1 or not still_our_server(args.pid, args.start_time):
+        return {"stopped": False}  # already gone: the one-off server exits after its test
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not still_our_server(args.pid, args.start_time):
+            break
+        with contextlib.suppress(OSError):
+            os.kill(args.pid, sig)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and still_our_server(args.pid, args.start_time):
+            time.sleep(0.05)
+    return {"stopped": True}
 
 
 def main():
@@ -83,7 +147,8 @@ def main():
     parser.add_argument("--peer", default="")
     parser.add_argument("--peer-name", default="")
     parser.add_argument("--seconds", type=int, default=3)
-    parser.add_argument("--pidfile", default="/tmp/preflight-iperf3.pid")
+    parser.add_argument("--pid", type=int, default=0, help="stop: the pid the server step printed")
+    parser.add_argument("--start-time", type=int, default=-1, help="stop: the start time it printed")
     args = parser.parse_args()
     out = {"server": server, "client": client, "stop": stop}[args.role](args)
     out.update(role=args.role, round=args.round, peer_name=args.peer_name)
