@@ -20,6 +20,7 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import InventoryError
+from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state
 from trainer.controller.launcher.topology import TopologyError
@@ -118,6 +119,13 @@ def step_of(report: dict[str, Any] | None) -> str:
     return f"step {min(done)}" if min(done) == max(done) else f"steps {min(done)}-{max(done)}"
 
 
+def say(text: str, file: Any = None) -> None:
+    """Print one line of the report. Most of it comes from the nodes (their log lines, launch.json, the
+    lock's holder, a failure's message), written by the training account or its ranks: control
+    characters are spelled out (live.printable), as the live view and `trainer logs` show them."""
+    print(printable(text), file=file or sys.stdout)
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-i", "--inventory", required=True, help="inventory directory or file")
     parser.add_argument(
@@ -136,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         return exitcodes.CONFIG_ERROR
     info, head_report, problem = launch_info(plan, args.lines)
     if info is None:
-        print(f"trainer status: {problem}", file=sys.stderr)
+        say(f"trainer status: {problem}", file=sys.stderr)
         return exitcodes.FAILURE
     nodes = {str(host): int(rank) for host, rank in (info.get("nodes") or {}).items()}
     others = {host: rank for host, rank in nodes.items() if host != plan.topology.head.host}
@@ -151,14 +159,14 @@ def run(args: argparse.Namespace) -> int:
         " (still running)" if launcher_alive(info) else ""
     )
     what = "the bundled trainer" if info.get("bundled_trainer") else "your command"
-    print(
+    say(
         f"run {plan.run_name}: launch {info.get('launch_id')} (attempt {info.get('attempt', 1)}) of {what} "
         f"on {len(nodes)} node(s), started {started} by {follower}"
     )
     lock = (head_report or {}).get("lock")
     if lock:
         state = holder_state(lock)
-        print(
+        say(
             f"lock: held by {describe_holder(lock)}"
             + {"alive": " (still running)", "dead": " (no longer running: a new launch needs --force)"}.get(
                 state, ""
@@ -166,15 +174,15 @@ def run(args: argparse.Namespace) -> int:
         )
     left_out = [n.host for n in plan.topology.nodes if n.host not in nodes]
     if left_out:
-        print(f"left out of this launch: {', '.join(left_out)}")
+        say(f"left out of this launch: {', '.join(left_out)}")
     for host, rank in sorted(nodes.items(), key=lambda item: item[1]):
         report = reports.get(host)
         state = describe_report(report, problem_of(result, host) if result and report is None else "")
         step = step_of(report)
-        print(f"[{host}] node {rank}: {state}" + (f", {step}" if step else ""))
+        say(f"[{host}] node {rank}: {state}" + (f", {step}" if step else ""))
         for line in (report or {}).get("lines") or []:
-            print(f"    {line}")
-    print(
+            say(f"    {line}")
+    say(
         f"each node's full log: {PurePosixPath(plan.launch_dir)}/node-N/log; launches, restarts and stops: "
         f"{plan.launch_dir}/history.jsonl"
     )
