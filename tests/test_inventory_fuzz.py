@@ -62,8 +62,27 @@ TRICKY = st.sampled_from(
         "https://h.invalid/\x01",
     ]
 )  # fmt: skip
+#: IPv6 literals with a scope id (`fe80::1%eth0`): Python's ipaddress accepts any text after the `%`,
+#: newlines included, and the subnet check ignored it (issue 26: one wrote `allow all` into chrony.conf).
+SCOPED_IPV6 = st.builds(
+    lambda address, zone: f"{address}%{zone}",
+    st.ip_addresses(v=6).map(str),
+    st.one_of(
+        st.sampled_from(["eth0", "eth0\nallow all", "1\nMatch exec id"]), st.text(min_size=1, max_size=12)
+    ),
+)
+#: The variables that hold an address (or a list of them), and how a fuzzed address is written there.
+ADDRESS_VARIABLES = {
+    "cluster_ip": lambda a: a,
+    "ansible_host": lambda a: a,
+    "cluster_subnet": lambda a: f"{a}/64",
+    "cluster_ntp_servers": lambda a: ["ntp1.example.internal", a],
+    "firewall_ssh_sources": lambda a: [f"{a}/64"],
+    "ssh_trust_key_from": lambda a: [a],
+}
 SCALARS = st.one_of(
     TRICKY,
+    SCOPED_IPV6,
     st.text(max_size=30),
     st.integers(min_value=-(2**40), max_value=2**40),
     st.booleans(),
@@ -135,6 +154,21 @@ def test_the_rules_name_the_variable_of_any_value_they_refuse(var, value, place)
             assert any(var in p for p in problems), (var, value, purpose, problems)
 
 
+@settings(max_examples=200, deadline=None)
+@given(var=st.sampled_from(sorted(ADDRESS_VARIABLES)), address=SCOPED_IPV6, place=PLACES)
+@example(var="cluster_ip", address="fd00:77::11%eth0\nallow all", place="node-b")
+def test_an_address_with_a_scope_id_is_refused_for_every_address_variable(var, address, place):
+    """Whatever the zone holds, no address variable takes it: the roles write these values into
+    chrony.conf, ssh_config, exports and ufw rules, none of which has a use for a zone."""
+    hostvars = {name: {**GROUP_VARS, **hv} for name, hv in HOSTS.items()}
+    for name in hostvars if place == "group_vars" else [place]:
+        hostvars[name][var] = ADDRESS_VARIABLES[var](address)
+    groups = {"head": ["node-a"], "workers": ["node-b"], "cluster": ["node-a", "node-b"]}
+    for purpose in (inventory_rules.PROVISION, inventory_rules.LAUNCH):
+        problems = inventory_rules.cluster_problems(hostvars, groups, purpose)
+        assert any(var in p and "fix:" in p for p in problems), (var, address, purpose, problems)
+
+
 @settings(
     max_examples=60,
     deadline=None,
@@ -143,6 +177,8 @@ def test_the_rules_name_the_variable_of_any_value_they_refuse(var, value, place)
 @given(var=st.sampled_from(VARIABLES), value=VALUES.filter(_yaml_safe), place=PLACES)
 # Found before (issue 15): each passed plan and reached --master-addr, the hostfile or a config file.
 @example(var="cluster_ip", value="127.0.0.1\nevil slots=64", place="node-b")
+# Issue 26: a scope id carried a newline into chrony.conf and ssh_config.
+@example(var="cluster_ip", value="fd00::11%eth0\nallow all", place="node-b")
 @example(var="cluster_shared_dir", value="/srv/share *(rw,no_root_squash,insecure)", place="group_vars")
 @example(var="cluster_shared_dir", value="/", place="group_vars")
 @example(var="training_zero_stage", value=0, place="group_vars")
@@ -178,6 +214,8 @@ def _assert_safe_to_write(plan: dict) -> None:
     addresses = [plan["master_addr"], *(node["address"] for node in plan["nodes"])]
     for address in addresses:
         assert inventory_rules.host_or_ip("")(address) is None, address
+        # Independent of the rule itself: nothing that could start a new config line or a zone.
+        assert address.isprintable() and not any(c in address for c in " %\t"), address
     paths = [plan["output_dir"], plan["training_venv"], *plan["workdirs"].values()]
     for path in paths:
         assert path_problem(path, "") is None, path

@@ -11,7 +11,8 @@ Each message names the host(s), the variable, what is wrong and the fix; all pro
 at once, so one edit-and-rerun cycle fixes them all. A value that reaches a shell line, a template
 or a config file (exports, fstab, chrony.conf, run.sh, the DeepSpeed hostfile, authorized_keys)
 must fit a strict pattern here: no whitespace, quotes, parentheses, `*` or newlines where a path,
-a name or an address is expected.
+a name or an address is expected. Every variable that holds an address or a host name goes through
+one validator, `address_problem` (no IPv6 scope id: Python accepts any text after the `%`).
 
 Two purposes: PROVISION (site.yml) applies every rule; LAUNCH (plan/launch/preflight/status/sbatch)
 applies every rule on the values that are set, the group layout, and one cluster address per host
@@ -256,30 +257,87 @@ def _subnet(value: Any) -> str | None:
             f"is {text}, which would open NFS, NTP and the training ports to the whole world; "
             "fix: set the cluster network's own CIDR, e.g. 10.20.0.0/24"
         )
-    try:
-        net = ipaddress.ip_network(text, strict=False)
-    except ValueError:
+    if _has_scope_id(text):
+        return _scope_id_problem(value, "10.20.0.0/24 or fd00:20::/64")
+    net = plain_network(text)
+    if net is None:
         return f"is {value!r}, not a CIDR; fix: write it like 10.20.0.0/24"
     if net.prefixlen == 0:
         return f"is {text}, the whole address space; fix: set the cluster network's own CIDR"
     return None
 
 
-def _ip(value: Any) -> str | None:
+# --- Addresses: one validator for every inventory variable that holds an address or a host name ---
+# Python's ipaddress accepts an IPv6 scope id (`fe80::1%eth0`) holding any text, newlines included,
+# and ignores it when it compares or tests membership: such a cluster_ip passed the subnet check and
+# wrote its own lines (`allow all`, `Match exec ...`) into chrony.conf and the ssh client config,
+# which root reads. The roles write addresses into config lines that have no use for a zone, so an
+# address here is only what an address is made of: hex digits, '.' and ':' (and a /prefix for a
+# network). Everything else must be a host name of RFC 1123 labels (DNS_NAME).
+
+#: The characters of an IPv4 or IPv6 address as the roles write it; a /prefix for a network.
+ADDRESS_TEXT = re.compile(r"[0-9A-Fa-f.:]{2,45}")
+NETWORK_TEXT = re.compile(r"[0-9A-Fa-f.:]{2,45}(?:/[0-9]{1,3})?")
+
+
+def plain_address(value: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`value` as an IP address, or None: not a string, not an address, or one with a scope id."""
+    if not isinstance(value, str) or not ADDRESS_TEXT.fullmatch(value):
+        return None
     try:
-        ipaddress.ip_address(value if isinstance(value, str) else str(value))
+        return ipaddress.ip_address(value)
     except ValueError:
-        return f"is {value!r}, not an IP address; fix: write it like 10.20.0.11"
-    return None
+        return None
+
+
+def plain_network(value: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    """`value` as a network (host bits allowed: 10.20.0.1/24), or None, as plain_address."""
+    if not isinstance(value, str) or not NETWORK_TEXT.fullmatch(value):
+        return None
+    try:
+        return ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        return None
+
+
+def _has_scope_id(value: Any) -> bool:
+    return isinstance(value, str) and "%" in value
+
+
+#: Why a scope id is refused, said the same way for every variable.
+SCOPE_ID_REASON = (
+    "an address with a scope id (%...), which the config files it is written to (chrony.conf, "
+    "ssh_config, exports) cannot hold"
+)
+
+
+def _scope_id_problem(value: Any, example: str) -> str:
+    return f"is {value!r}, {SCOPE_ID_REASON}; fix: write the address without the %zone, e.g. {example}"
+
+
+def address_problem(value: Any, example: str, host_names: bool = True) -> str | None:
+    """The one address rule: why `value` is not an IP address (without a scope id) or, where
+    `host_names`, a host name of RFC 1123 labels; None when it is one. The text starts with "is"
+    (the caller names the variable) and ends with the fix, written like `example`."""
+    if plain_address(value) is not None:
+        return None
+    if host_names and isinstance(value, str) and DNS_NAME.fullmatch(value):
+        return None
+    if _has_scope_id(value):
+        return _scope_id_problem(value, example)
+    what = "a host name or IP address" if host_names else "an IP address"
+    return f"is {value!r}, not {what}; fix: write it like {example}"
+
+
+def _ip(value: Any) -> str | None:
+    return address_problem(value, "10.20.0.11 or fd00:20::11", host_names=False)
 
 
 def host_or_ip(example: str) -> Check:
-    """A check that a value is a DNS host name or an IP address."""
+    """A check that a value is a DNS host name or an IP address (address_problem)."""
 
     def check(value: Any) -> str | None:
-        if isinstance(value, str) and (DNS_NAME.fullmatch(value) or _ip(value) is None):
-            return None
-        return f"is {value!r}, not a host name or IP address; fix: write it like {example}"
+        return address_problem(value, example)
 
     return check
 
@@ -323,10 +381,13 @@ def _ntp_servers(value: Any) -> str | None:
     fix = "write a YAML list of host names or addresses, e.g. [ntp1.example.internal, 10.20.0.1]"
     if not isinstance(value, list):
         return f"is {value!r}, not a list; fix: {fix}"
-    bad = [s for s in value if host_or_ip("ntp1.example.internal")(s)]
-    if bad:
-        return f"has {', '.join(repr(s) for s in bad)}, not a host name or IP address; fix: {fix}"
-    return None
+    bad = [s for s in value if address_problem(s, "ntp1.example.internal")]
+    if not bad:
+        return None
+    listed = ", ".join(repr(s) for s in bad)
+    if any(_has_scope_id(s) for s in bad):
+        return f"has {listed}, {SCOPE_ID_REASON}; fix: write each address without the %zone; {fix}"
+    return f"has {listed}, not a host name or IP address; fix: {fix}"
 
 
 def _key_from(value: Any) -> str | None:
@@ -365,11 +426,7 @@ def _ssh_sources(value: Any) -> str | None:
 
 
 def _network_problem(value: Any) -> bool:
-    try:
-        ipaddress.ip_network(value, strict=False)
-    except (TypeError, ValueError):
-        return True
-    return not isinstance(value, str)
+    return plain_network(value) is None
 
 
 def _timeout(value: Any) -> str | None:
