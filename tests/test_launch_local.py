@@ -6,65 +6,25 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import loopback
 import pytest
 import yaml
+from loopback import VENV, free_port  # noqa: F401 - other test modules import them from here
 
 REPO = Path(__file__).resolve().parents[1]
-VENV = REPO / ".venv"
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
 def loopback_cluster(tmp_path) -> tuple[Path, Path]:
     """(inventory, shared dir) for two local hosts, node0 (head) and node1 (worker)."""
-    local = {
-        "ansible_connection": "local",
-        "ansible_python_interpreter": "{{ ansible_playbook_python }}",
-        "cluster_accelerators": 0,
-        "cluster_accelerator_model": "cpu",
-    }
-    inventory = tmp_path / "inventory"
-    (inventory / "group_vars" / "cluster").mkdir(parents=True)
-    hosts = {
-        "cluster": {
-            "children": {
-                # One address per host, as the inventory rules require: all of 127/8 is on lo.
-                "head": {"hosts": {"node0": dict(local, cluster_ip="127.0.0.1")}},
-                "workers": {"hosts": {"node1": dict(local, cluster_ip="127.0.0.2")}},
-            }
-        }
-    }
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
-    shared = tmp_path / "shared"
-    settings = {
-        "cluster_training_user": subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip(),
-        "cluster_master_port": free_port(),
-        "cluster_nccl_socket_ifname": "auto",
-        "cluster_nccl_ib_disable": 1,
-        "cluster_nccl_debug": "WARN",
-        "cluster_nccl_timeout_s": 120,
-        "cluster_shared_dir": str(shared),
-        "cluster_data_path": "",
-        "training_venv": str(VENV),
-        "training_procs_per_node": 1,
-        "training_engine": "ddp",
-        "training_config": "",
-    }
-    (inventory / "group_vars" / "cluster" / "all.yml").write_text(yaml.safe_dump(settings))
-    return inventory, shared
+    return loopback.write_inventory(tmp_path)
 
 
 def launch_command(inventory: Path, *extra: str) -> list[str]:

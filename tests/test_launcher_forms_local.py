@@ -14,60 +14,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import loopback
 import pytest
-import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-VENV = REPO / ".venv"
 FORMS = Path(__file__).resolve().parent / "world_forms"
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def cluster(tmp_path) -> tuple[Path, Path, Path]:
-    """(inventory, shared dir, working dir): node0 (head, 127.0.0.1) and node1 (127.0.0.2)."""
-    local = {
-        "ansible_connection": "local",
-        "ansible_python_interpreter": "{{ ansible_playbook_python }}",
-        "cluster_accelerators": 0,
-        "cluster_accelerator_model": "cpu",
-    }
-    inventory = tmp_path / "inventory"
-    (inventory / "group_vars" / "cluster").mkdir(parents=True)
-    hosts = {
-        "cluster": {
-            "children": {
-                "head": {"hosts": {"node0": dict(local, cluster_ip="127.0.0.1")}},
-                "workers": {"hosts": {"node1": dict(local, cluster_ip="127.0.0.2")}},
-            }
-        }
-    }
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
-    shared, workdir = tmp_path / "shared", tmp_path / "code"
+    """(inventory, shared dir, working dir): node0 (head, 127.0.0.1) and node1 (127.0.0.2), 2
+    processes each, the working dir holding the scripts of tests/world_forms."""
+    workdir = tmp_path / "code"
     shutil.copytree(FORMS, workdir)
-    settings = {
-        "cluster_training_user": subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip(),
-        "cluster_master_port": free_port(),
-        "cluster_nccl_socket_ifname": "auto",
-        "cluster_nccl_ib_disable": "auto",
-        "cluster_shared_dir": str(shared),
-        "training_venv": str(VENV),
-        "training_procs_per_node": 2,
-        "training_config": "",
-        "training_workdir": str(workdir),
+    inventory, shared = loopback.write_inventory(
+        tmp_path,
+        cluster_nccl_ib_disable="auto",
+        training_procs_per_node=2,
+        training_workdir=str(workdir),
         # accelerate's own default config would be read from here: empty, so only ours counts.
-        "training_env": {"HF_HOME": str(tmp_path / "hf-home"), "HOLD_S": "3"},
-    }
-    (inventory / "group_vars" / "cluster" / "all.yml").write_text(yaml.safe_dump(settings))
+        training_env={"HF_HOME": str(tmp_path / "hf-home"), "HOLD_S": "3"},
+    )
     return inventory, shared, workdir
 
 

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,8 +19,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import loopback
 import pytest
-import yaml
 
 from trainer import exitcodes
 
@@ -34,49 +33,9 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def loopback_cluster(tmp: Path) -> tuple[Path, Path]:
-    """(inventory, shared dir) for node0 (head, 127.0.0.1) and node1 (worker, 127.0.0.2), both this
-    machine (all of 127/8 is on lo). test_launch_local's fixture, as a function for a module fixture."""
-    local = {
-        "ansible_connection": "local",
-        "ansible_python_interpreter": "{{ ansible_playbook_python }}",
-        "cluster_accelerators": 0,
-        "cluster_accelerator_model": "cpu",
-    }
-    inventory = tmp / "inventory"
-    (inventory / "group_vars" / "cluster").mkdir(parents=True)
-    hosts = {
-        "cluster": {
-            "children": {
-                "head": {"hosts": {"node0": dict(local, cluster_ip="127.0.0.1")}},
-                "workers": {"hosts": {"node1": dict(local, cluster_ip="127.0.0.2")}},
-            }
-        }
-    }
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
-    shared = tmp / "shared"
-    settings = {
-        "cluster_training_user": subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip(),
-        "cluster_master_port": free_port(),
-        "cluster_nccl_socket_ifname": "auto",
-        "cluster_nccl_ib_disable": 1,
-        "cluster_nccl_debug": "WARN",
-        "cluster_nccl_timeout_s": 120,
-        "cluster_shared_dir": str(shared),
-        "cluster_data_path": "",
-        "training_venv": str(VENV),
-        "training_procs_per_node": 1,
-        "training_engine": "ddp",
-        "training_config": "",
-    }
-    (inventory / "group_vars" / "cluster" / "all.yml").write_text(yaml.safe_dump(settings))
-    return inventory, shared
+    """(inventory, shared dir) for node0 (head, 127.0.0.1) and node1 (worker, 127.0.0.2)."""
+    return loopback.write_inventory(tmp)
 
 
 def trainer(verb: str, inventory: Path, *extra: str) -> list[str]:
