@@ -1,0 +1,87 @@
+"""The node helper runs only what the controller sent, or a compiled copy the account running it wrote.
+
+The launch's node dir belongs to the training account; status, stop and pids keep the compiled helper
+there (`.node_ctl-<digest>.<python version>...`) so a poll skips compiling it. Another account that
+can write the node dir plants a cache of its own, one whose `serve` answers with a made-up report;
+then the real `trainer status` and `trainer stop` run (as root, on a one-node loopback cluster). The
+planted code must not run: status reports the trainer running, and the stop really ends it."""
+
+from __future__ import annotations
+
+import hashlib
+import marshal
+import os
+import sys
+
+import pytest
+from fake_launch import REPO, fake_launch, one_node_cluster, trainer
+
+NODE_PROGRAM = REPO / "trainer" / "controller" / "launcher" / "playbooks" / "templates" / "node_ctl.py"
+#: The planting account: not the one the helper runs as.
+NOBODY = 65534
+#: A helper that says the trainer exited cleanly and was stopped, whatever the node's state (the
+#: launch's own launch.json in its report, so the launcher takes it for the real one).
+FAKE_HELPER = """
+import json, os
+def serve(request):
+    with open(os.path.join(request["node_dir"], "launch.json")) as handle:
+        info = json.load(handle)
+    print(json.dumps({"state": "exited", "exit": {"exit_code": 0}, "lines": ["PLANTED"], "stopped": True,
+                      "info": info, "stop_requested": False, "progress": [], "errors": [], "rank_exits": []}))
+    return 0
+"""
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plants the cache as another account (needs root)")
+
+
+def plant_cache(node_dir) -> list[str]:
+    """As another account (NOBODY), what it can write into the node dir: the fake helper compiled,
+    under every name the node's bootstrap has looked for (raw, and with its header line)."""
+    digest = hashlib.sha256(NODE_PROGRAM.read_text().encode()).hexdigest()[:16]
+    code = marshal.dumps(compile(FAKE_HELPER, "node_ctl.py", "exec"))
+    old_name = f".node_ctl-{digest}.{sys.hexversion:x}"
+    names = {old_name: code}
+    for uid in (os.geteuid(), NOBODY):
+        name = f"{old_name}.{uid}"
+        names[name] = f"{name}\n".encode() + code
+    os.chown(node_dir, NOBODY, NOBODY)  # the training account's dir
+    # Opened here: pytest's tmp dirs above it are root's own (0700), which NOBODY cannot pass through.
+    dir_fd = os.open(node_dir, os.O_RDONLY | os.O_DIRECTORY)
+    child = os.fork()
+    if child == 0:  # the other account's step, done for real
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            for name, data in names.items():
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
+                os.write(fd, data)
+                os.close(fd)
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    os.close(dir_fd)
+    assert os.waitpid(child, 0)[1] == 0, "the other account could not plant its cache"
+    return sorted(names)
+
+
+def test_a_cache_planted_in_the_node_dir_neither_fakes_the_status_nor_stops_the_stop(tmp_path):
+    inventory, shared = one_node_cluster(tmp_path)
+    launch = fake_launch(shared, "planted", "step 1\n")
+    try:
+        plant_cache(launch.node_dir)
+        status = trainer("status", inventory, "--run-name", "planted")
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "[node0] node 0: running" in status.stdout, status.stdout
+        assert "PLANTED" not in status.stdout and "    step 1" in status.stdout, status.stdout
+        stop = trainer("stop", inventory, "--run-name", "planted", "--stop-grace", "5")
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert "[node0] node 0: stopped" in stop.stdout + stop.stderr, stop.stdout + stop.stderr
+        # The trainer is really gone (TERM to its process group), not just reported so.
+        assert launch.process.wait(timeout=30) == -15
+    finally:
+        if launch.process.poll() is None:
+            launch.process.kill()
+            launch.process.wait()
+    # The helper keeps its own cache (so a poll still skips compiling it): this account's, private.
+    own = [p for p in launch.node_dir.glob(".node_ctl-*") if p.stat().st_uid == os.geteuid()]
+    assert own and all(p.stat().st_mode & 0o077 == 0 for p in own), sorted(p.name for p in own)
