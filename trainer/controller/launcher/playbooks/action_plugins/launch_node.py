@@ -43,7 +43,9 @@ NODE_PROGRAM = (Path(__file__).resolve().parent.parent / "templates" / "node_ctl
 NODE_PROGRAM_DIGEST = hashlib.sha256(NODE_PROGRAM.encode()).hexdigest()[:16]
 #: Reads the request (with the helper's text) from stdin and hands it to node_ctl.serve. The helper
 #: needs only the standard library: `-S` skips site-packages (their .pth files cost more than the
-#: rest of a status poll).
+#: rest of a status poll). `-I` keeps the working directory off the import path: it may be the login's
+#: home (where Ansible logs in as the training account and becomes root), and a json.py planted there
+#: would run as root.
 #: With `code_cache`, the compiled helper is kept in the node dir, per Python version and account
 #: (compiling it takes 14 ms, loading the cache 0.4 ms: a whole status poll 41 ms instead of 52 ms,
 #: medians on a loaded 2-core machine). The node dir is the training account's: a cache is run only
@@ -101,7 +103,7 @@ BURST_POLLS = 3
 
 def node_command(python: str, timeout_s: float) -> str:
     """The shell command a node runs for one call (the request goes on its stdin or after it)."""
-    return f"timeout -k 5 {int(timeout_s)} {shlex.quote(python)} -S -c {shlex.quote(BOOTSTRAP)}"
+    return f"timeout -k 5 {int(timeout_s)} {shlex.quote(python)} -I -S -c {shlex.quote(BOOTSTRAP)}"
 
 
 class NoAnswer(Exception):

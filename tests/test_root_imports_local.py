@@ -1,0 +1,116 @@
+"""No python the project runs as root imports from the directory it runs in.
+
+Where Ansible logs in as the training account and becomes root, a node-side command's working
+directory is that account's home. A python started with `-c` or `-m` puts its working directory
+first on the import path, so a module the account planted there (json.py, sysconfig.py, venv.py)
+would run as root. Each case here plants modules that leave a marker file when imported, makes the
+planted dir the working directory, and runs the project's own command (the launcher's node command,
+trainer_env's tasks through ansible-playbook): the command works and no marker appears."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+ROLE_TASKS = REPO / "roles" / "trainer_env" / "tasks"
+ACTION_PLUGIN = (
+    REPO / "trainer" / "controller" / "launcher" / "playbooks" / "action_plugins" / "launch_node.py"
+)
+
+
+def planted_home(tmp_path: Path, *modules: str) -> tuple[Path, Path]:
+    """(home, marker): a home dir holding `modules`, each of which writes the marker when imported."""
+    home, marker = tmp_path / "home", tmp_path / "planted-module-ran"
+    home.mkdir()
+    for module in modules:
+        (home / f"{module}.py").write_text(f"open({str(marker)!r}, 'a').write({module!r} + '\\n')\n")
+    return home, marker
+
+
+def test_the_launchers_node_command_does_not_import_from_its_working_directory(tmp_path):
+    home, marker = planted_home(tmp_path, "json", "marshal", "stat")
+    spec = importlib.util.spec_from_file_location("launch_node", ACTION_PLUGIN)
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    # A status request, as `trainer status` sends it, for a launch that never started here.
+    request = {
+        "op": "status",
+        "node_dir": str(tmp_path / "node-0"),
+        "tail": 5,
+        "program": plugin.NODE_PROGRAM,
+    }
+    done = subprocess.run(
+        plugin.node_command(str(VENV_PYTHON), 60),
+        shell=True,
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        cwd=home,
+        timeout=120,
+    )
+    assert not marker.exists(), f"the planted module ran: {marker.read_text()}"
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["state"] == "none"
+
+
+def role_task(file: str, name: str) -> dict:
+    tasks = yaml.safe_load((ROLE_TASKS / file).read_text())
+    return next(task for task in tasks if task.get("name", "").startswith(name))
+
+
+def run_tasks(home: Path, variables: dict, tasks: list[dict]) -> subprocess.CompletedProcess:
+    """The role's tasks as ansible-playbook runs them on a node, in `home`: over SSH a module runs in
+    the login's home; over a local connection in the playbook's directory, so the playbook is put there."""
+    play = [
+        {
+            "hosts": "localhost",
+            "connection": "local",
+            "gather_facts": False,
+            "vars": {"ansible_python_interpreter": sys.executable, **variables},
+            "tasks": tasks,
+        }
+    ]
+    playbook = home / "play.yml"
+    playbook.write_text(yaml.safe_dump(play, sort_keys=False))
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", str(playbook)],
+        capture_output=True,
+        text=True,
+        cwd=home,
+        timeout=600,
+    )
+
+
+def test_trainer_envs_site_packages_probe_does_not_import_from_its_working_directory(tmp_path):
+    home, marker = planted_home(tmp_path, "sysconfig")
+    found = tmp_path / "site-packages.txt"
+    keep = {"ansible.builtin.copy": {"content": "{{ trainer_env_site_packages.stdout }}", "dest": str(found)}}
+    done = run_tasks(
+        home,
+        {"trainer_env_venv": str(REPO / ".venv"), "trainer_env_venv_pending": False},
+        [role_task("deepspeed_ops.yml", "Find the venv's site-packages"), keep],
+    )
+    assert not marker.exists(), f"the planted module ran: {marker.read_text()}"
+    assert done.returncode == 0, done.stdout[-3000:]
+    # What the role writes its .pth file into: the venv's own site-packages.
+    assert Path(found.read_text()).parent.parent.parent == REPO / ".venv", found.read_text()
+    assert found.read_text().endswith("site-packages")
+
+
+def test_trainer_envs_venv_creation_does_not_import_from_its_working_directory(tmp_path):
+    home, marker = planted_home(tmp_path, "venv")
+    venv = tmp_path / "venv"
+    done = run_tasks(
+        home, {"trainer_env_venv": str(venv), "trainer_env_python": "python3"},
+        [role_task("install.yml", "Create the venv")],
+    )  # fmt: skip
+    assert not marker.exists(), f"the planted module ran: {marker.read_text()}"
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert (venv / "pyvenv.cfg").is_file() and (venv / "bin" / "python").exists(), "the venv was made"
