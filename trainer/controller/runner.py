@@ -53,7 +53,13 @@ Why it looks like this (the known ansible-runner traps):
 - a canceled run's ansible-playbook outlives ansible-runner's kill (it runs in a session of its own),
   so every process of a run carries CLUSTERTRAIN_RUNNER_ID in its environment and whatever still
   carries it when the run ends is terminated. On a local connection that includes processes a task
-  started: one that must outlive the run (a detached trainer) must drop that variable.
+  started: one that must outlive the run (a detached trainer) must drop that variable;
+- SSH masters (ControlPersist: 60 s by Ansible's default, 120 s in the repo's ansible.cfg) would
+  outlive every run by that long, and ssh writes its process title (`ssh: SOCKET [mux]`) over its
+  environment, marker included: each run gets a socket dir of its own
+  (ANSIBLE_SSH_CONTROL_PATH_DIR), and its masters, found by that dir in their title, end with the
+  run. A ControlPath set by hand (ANSIBLE_SSH_CONTROL_PATH, ssh args, inventory) is left to its
+  owner, masters included. Runs share no master, so each run opens one SSH connection per node.
 """
 
 from __future__ import annotations
@@ -135,6 +141,11 @@ MAX_SOCKET_PATH = 100
 #: ansible-playbook (ansible-core 2.19) runs in a session of its own and outlives that, with its
 #: workers and, on local connections, the modules they run.
 RUN_MARKER = "CLUSTERTRAIN_RUNNER_ID"
+#: Where a run's SSH masters put their sockets (its own dir; see the module's docstring).
+SSH_CONTROL_DIR_ENV = "ANSIBLE_SSH_CONTROL_PATH_DIR"
+#: The longest such dir: Ansible names a socket with 10 characters after it, and ssh binds it first
+#: under that name plus 17 more (`.` and 16 random characters).
+MAX_SSH_CONTROL_DIR = MAX_SOCKET_PATH - 28
 #: A prestarted run's late variables (PrestartedRun): each is this template, read by this lookup from
 #: the file named in this environment variable of ansible-playbook's.
 LATE_VARS_LOOKUP = "runner_late_vars"
@@ -263,23 +274,29 @@ def reads_config_file(env: Mapping[str, str], cwd: Path) -> bool:
     )
 
 
-def _marked_processes(marker: str) -> list[int]:
-    """Our own processes whose environment holds `marker` (NAME=value)."""
+def _marked_processes(marker: str, ssh_control_dir: str | None = None) -> list[int]:
+    """Our own processes whose environment holds `marker` (NAME=value), and the SSH masters of ours
+    with their socket in `ssh_control_dir` (their title, which replaced their environment)."""
     wanted = marker.encode()
+    title = f"ssh: {ssh_control_dir}/".encode() if ssh_control_dir else None
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if wanted in (proc / "environ").read_bytes().split(b"\0"):
+            if wanted in (proc / "environ").read_bytes().split(b"\0") or (
+                title
+                and (proc / "cmdline").read_bytes().startswith(title)
+                and proc.stat().st_uid == os.geteuid()  # any process may take such a title
+            ):
                 found.append(int(proc.name))
         except OSError:
             continue
     return found
 
 
-def _end_processes(marker: str, grace_s: float = 3.0) -> None:
-    """TERM what is left of a run, KILL what survives `grace_s`."""
+def _end_processes(marker: str, grace_s: float = 3.0, ssh_control_dir: str | None = None) -> None:
+    """TERM what is left of a run (its SSH masters included), KILL what survives `grace_s`."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = [pid for pid in _marked_processes(marker) if pid != os.getpid()]
+        pids = [pid for pid in _marked_processes(marker, ssh_control_dir) if pid != os.getpid()]
         if not pids:
             return
         for pid in pids:
@@ -425,6 +442,7 @@ class _Spawned:
     private_data_dir: str
     channel: _Channel | None
     marker: str
+    ssh_control_dir: str | None
     #: Any of these set cancels the run (the caller's `cancel` joins when the run is followed).
     cancels: list[threading.Event]
 
@@ -439,15 +457,30 @@ class _Spawned:
         self.clean_up()
 
     def clean_up(self) -> None:
-        _clean_up_run(self.channel, self.marker, self.private_data_dir)
+        _clean_up_run(self.channel, self.marker, self.private_data_dir, self.ssh_control_dir)
 
 
-def _clean_up_run(channel: _Channel | None, marker: str, private_data_dir: str) -> None:
+def _clean_up_run(
+    channel: _Channel | None, marker: str, private_data_dir: str, ssh_control_dir: str | None = None
+) -> None:
     if channel is not None:
         channel.close()
-    # After a cancel (or a crash of ansible-runner) ansible-playbook may still be running.
-    _end_processes(marker)
+    # After a cancel (or a crash of ansible-runner) ansible-playbook may still be running; the SSH
+    # masters it started would otherwise stay up for their ControlPersist.
+    _end_processes(marker, ssh_control_dir=ssh_control_dir)
     shutil.rmtree(private_data_dir, ignore_errors=True)
+    if ssh_control_dir:
+        shutil.rmtree(ssh_control_dir, ignore_errors=True)
+
+
+def _ssh_control_dir(private_data_dir: str) -> str:
+    """A new dir for one run's SSH master sockets: in its private dir, or in /tmp where that path is
+    too long for a socket or holds a `%` (ssh expands those). Resolved, as Ansible resolves it."""
+    path = os.path.realpath(os.path.join(private_data_dir, "ssh"))
+    if len(os.fsencode(path)) <= MAX_SSH_CONTROL_DIR and "%" not in path:
+        os.mkdir(path, 0o700)
+        return path
+    return os.path.realpath(tempfile.mkdtemp(prefix="ct-ssh-", dir="/tmp"))
 
 
 def _late_values_path(private_data_dir: str) -> str:
@@ -532,6 +565,7 @@ def _spawn(
             runner_config.env = {
                 **PLAYBOOK_DEFAULTS,
                 **filtered_environment(runner_config.env, bin_dir),
+                SSH_CONTROL_DIR_ENV: ssh_control_dir,
                 **dict(spec.env),
                 RUN_MARKER: marker.split("=", 1)[1],
             }
@@ -548,8 +582,10 @@ def _spawn(
     remove_stale_private_dirs()
     private_data_dir = tempfile.mkdtemp(prefix=PRIVATE_DIR_PREFIX)
     run_channel: _Channel | None = None
+    ssh_control_dir: str | None = None
     try:
         Path(private_data_dir, "owner").write_text(_owner_text())
+        ssh_control_dir = _ssh_control_dir(private_data_dir)
         given = dict(extravars)
         if spec.channel:
             run_channel = _Channel(os.path.join(private_data_dir, "channel"), events)
@@ -582,9 +618,11 @@ def _spawn(
             cmdline=shlex.join([*cmdline, "-e", f"@{vars_file}"]),
         )
     except BaseException:
-        _clean_up_run(run_channel, marker, private_data_dir)
+        _clean_up_run(run_channel, marker, private_data_dir, ssh_control_dir)
         raise
-    return _Spawned(spec, thread, runner, events, private_data_dir, run_channel, marker, cancels)
+    return _Spawned(
+        spec, thread, runner, events, private_data_dir, run_channel, marker, ssh_control_dir, cancels
+    )
 
 
 class PrestartedRun:
