@@ -217,7 +217,8 @@ def test_a_relaunch_keeps_the_earlier_launches_logs(cluster):
 
 def test_plan_shows_each_nodes_environment_and_command_without_touching_anything(cluster):
     inventory, shared, workdir = cluster
-    rc, out = run(trainer("plan", "-i", str(inventory), "--env", "HF_TOKEN=abc123", "--", *QWEN_SCRIPT), 120)
+    shell = {**os.environ, "HF_TOKEN": "abc123"}  # a secret comes from the shell, never the command line
+    rc, out = run(trainer("plan", "-i", str(inventory), "--env", "HF_TOKEN", "--", *QWEN_SCRIPT), 120, shell)
     assert rc == 0, out
     assert "node 1 (node1):" in out and "NODE_RANK=1" in out
     assert f"ACCELERATE_CONFIG_FILE={shared}/runs/default/launch/accelerate-node1.yaml" in out

@@ -1,13 +1,26 @@
 """Secrets in configs, command lines and node environments: which are secret and how they are shown.
 
-Shared by both sides: the node's config writer redacts run.json, the controller's plan and launch
-redact what they print. Standard library only.
+Shared by both sides: the node's config writer redacts run.json and the trackers' hyperparameters,
+the controller's plan and launch redact what they print and keep secret variables out of run.sh.
+This module is the one place that decides what is secret:
+
+- a config key in SECRET_KEYS (the webhook URL);
+- an environment variable named like a credential (SECRET_ENV_NAME);
+- a credential inside a URL, wherever the URL is: the userinfo (`http://user:pass@proxy`,
+  `https://TOKEN@host`) and token-like query or fragment parameters (`?access_token=`, `token=`,
+  `key=`, `sig=`, `X-Amz-Signature=`, ...). Such a URL in a variable (HTTPS_PROXY,
+  MLFLOW_TRACKING_URI) makes the variable secret; in a config value (metrics.tracking_uri) the
+  credential is shown as <redacted> and the rest of the URL kept.
+
+Standard library only.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping
+from typing import Any
+from urllib.parse import SplitResult, urlsplit
 
 REDACTED = "<redacted>"
 
@@ -21,15 +34,106 @@ SECRET_ENV_NAME = re.compile(
 )
 
 
+#: Query (or fragment) parameters that carry a credential by convention: OAuth's access_token, API
+#: keys (key, api_key, apiKey), signed URLs (sig, signature, X-Amz-Signature, X-Goog-Credential,
+#: X-Amz-Security-Token), client secrets, passwords. Matched on the parameter's name, any case.
+SECRET_QUERY_NAME = re.compile(
+    r"(token|key|secret|sig|signature|password|passwd|pwd|auth|authorization|credentials?)$", re.IGNORECASE
+)
+#: A URL inside a longer value (NO_PROXY-like lists, a command line): scheme://, then no blank or quote.
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def _split(url: str) -> SplitResult | None:
+    try:
+        return urlsplit(url)
+    except ValueError:  # e.g. an unclosed [ in the host: not a URL anything could log in with
+        return None
+
+
+def _secret_params(text: str) -> bool:
+    return any(
+        SECRET_QUERY_NAME.search(name.strip()) and value
+        for name, _, value in (pair.partition("=") for pair in re.split(r"[&;]", text))
+    )
+
+
+def _url_has_credentials(url: str) -> bool:
+    parts = _split(url)
+    if parts is None:
+        return False
+    return "@" in parts.netloc or _secret_params(parts.query) or _secret_params(parts.fragment)
+
+
+def has_url_credentials(value: Any) -> bool:
+    """Whether `value` holds a URL with a credential in it: userinfo, or a token-like parameter."""
+    return isinstance(value, str) and any(_url_has_credentials(m.group()) for m in URL.finditer(value))
+
+
+def _redact_params(text: str) -> str:
+    pairs = []
+    for pair in re.split(r"([&;])", text):
+        name, sep, value = pair.partition("=")
+        secret = sep and value and SECRET_QUERY_NAME.search(name.strip())
+        pairs.append(f"{name}={REDACTED}" if secret else pair)
+    return "".join(pairs)
+
+
+def _redact_url(url: str) -> str:
+    parts = _split(url)
+    if parts is None or not _url_has_credentials(url):
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{REDACTED}@{host}" if "@" in parts.netloc else host
+    return parts._replace(
+        netloc=netloc, query=_redact_params(parts.query), fragment=_redact_params(parts.fragment)
+    ).geturl()
+
+
+def redact_urls(value: Any) -> Any:
+    """`value` as it may be shown or logged: in every URL in it, the userinfo and the values of
+    token-like parameters replaced by <redacted> (`https://<redacted>@host/p?access_token=<redacted>`);
+    the host and path stay readable. Anything but a string is returned as it is."""
+    if not isinstance(value, str):
+        return value
+    return URL.sub(lambda m: _redact_url(m.group()), value)
+
+
+def redact_tree(data: Any) -> Any:
+    """Plain data (a config as dicts and lists) with every string passed through redact_urls."""
+    if isinstance(data, Mapping):
+        return {key: redact_tree(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return type(data)(redact_tree(value) for value in data)
+    return redact_urls(data)
+
+
+def secret_setting(key: str, value: Any) -> bool:
+    """Whether a config value is secret: its key is (SECRET_KEYS, when set) or the value holds a URL
+    credential."""
+    return (key.strip() in SECRET_KEYS and value not in (None, "")) or has_url_credentials(value)
+
+
 def redact_override(item: str) -> str:
-    """`--set KEY=VALUE` as it may be shown or logged: the value of a secret key is replaced."""
-    key, sep, _ = item.partition("=")
-    return f"{key}={REDACTED}" if sep and key.strip() in SECRET_KEYS else item
+    """`--set KEY=VALUE` as it may be shown or logged: the value of a secret key is replaced, and a
+    credential inside a URL."""
+    key, sep, value = item.partition("=")
+    if sep and key.strip() in SECRET_KEYS:
+        return f"{key}={REDACTED}"
+    return f"{key}={redact_urls(value)}" if sep else item
 
 
 def looks_secret(env_name: str) -> bool:
     """Whether an environment variable's name says it holds a credential."""
     return bool(SECRET_ENV_NAME.search(env_name))
+
+
+def secret_env(name: str, value: str) -> bool:
+    """Whether a variable is secret by its name or its value: a credential inside a URL, or a proxy
+    variable's `user:pass@host:port` written without a scheme (curl and pip take it so)."""
+    if looks_secret(name) or has_url_credentials(value):
+        return True
+    return name.lower().endswith("_proxy") and "://" not in value and has_url_credentials(f"http://{value}")
 
 
 def redact_env(env: Mapping[str, str], secret_names: Collection[str]) -> dict[str, str]:

@@ -10,8 +10,11 @@ training_workdir and every other path in the inventory. Standard library only.
 
 A value reaches a shell line (the node's run.sh, a Slurm script), so names must be shell
 identifiers and values are always quoted where they are written. Secret values (a name such as
-WANDB_API_KEY or HF_TOKEN, or `{value: ..., secret: true}` in the inventory) never appear in run.sh,
-plan output or Ansible's log: they go to a file only the training user can read.
+WANDB_API_KEY or HF_TOKEN, a value holding a credential inside a URL such as
+HTTPS_PROXY=http://user:pass@proxy:3128, or `{value: ..., secret: true}` in the inventory; the rule
+is trainer.redaction's) never appear in run.sh, plan output or Ansible's log: they go to a file only
+the training user can read. A secret is never given as a value on the command line (`ps` shows it
+to every account on the controller while the launcher runs): `--env NAME` takes it from the shell.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.redaction import looks_secret
+from trainer.redaction import secret_env
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -156,7 +159,7 @@ def parse_training_env(value: Any, source: str = "training_env") -> ExtraEnv:
             problems.append(f"{source}.{name} contains a NUL character; fix: remove it")
             continue
         values[name] = text
-        if marked is True or (marked is None and looks_secret(name)):
+        if marked is True or (marked is None and secret_env(name, text)):
             secret.add(name)
     if problems:
         raise EnvError(problems)
@@ -165,7 +168,8 @@ def parse_training_env(value: Any, source: str = "training_env") -> ExtraEnv:
 
 def parse_env_options(items: Sequence[str], environ: Mapping[str, str] | None = None) -> ExtraEnv:
     """`--env NAME=VALUE` (as given) or `--env NAME` (this shell's value, so a key stays off the
-    command line). Names that look like credentials are secret."""
+    command line). A secret (by its name or a credential in a URL) given as NAME=VALUE is refused:
+    for the whole launch `ps` would show it to every account on the controller."""
     environ = os.environ if environ is None else environ
     problems: list[str] = []
     values: dict[str, str] = {}
@@ -182,13 +186,21 @@ def parse_env_options(items: Sequence[str], environ: Mapping[str, str] | None = 
                 )
                 continue
             text = environ[name]
+        elif secret_env(name, text):
+            # The value itself is never repeated: it is the secret.
+            problems.append(
+                f"--env {name}=...: a secret on the command line shows in `ps` and your shell history; "
+                f"fix: export {name} in this shell and give --env {name} (the value is taken from the "
+                "environment), or set it in the inventory's training_env (vaulted)"
+            )
+            continue
         if "\0" in text:
             problems.append(f"--env {name}: the value contains a NUL character")
             continue
         values[name] = text
     if problems:
         raise EnvError(problems)
-    return ExtraEnv(values, frozenset(n for n in values if looks_secret(n)))
+    return ExtraEnv(values, frozenset(n for n, text in values.items() if secret_env(n, text)))
 
 
 #: A path on the nodes or the controller: absolute, and only these characters (no whitespace, quotes,

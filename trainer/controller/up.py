@@ -42,7 +42,7 @@ from trainer.controller.launcher import launch
 from trainer.controller.launcher.plan import JobPlan, PlanError, add_job_arguments
 from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.preflight.report import CHECKS
-from trainer.redaction import REDACTED, looks_secret, redact_override
+from trainer.redaction import REDACTED, redact_override, secret_env
 
 PHASES = ("provision", "preflight", "launch")
 #: cli.py gives this verb what follows `--` as args.command (the user's own command, for the launch).
@@ -326,5 +326,5 @@ def _shown(option: str, value: str) -> str:
     """A --set or --env value as it may be printed: a secret's value redacted (as launch shows them)."""
     if option == "--set":
         return redact_override(value)
-    name, has_value, _ = value.partition("=")
-    return f"{name}={REDACTED}" if has_value and looks_secret(name) else value
+    name, has_value, text = value.partition("=")
+    return f"{name}={REDACTED}" if has_value and secret_env(name, text) else value

@@ -40,6 +40,7 @@ from trainer.node.hf.evaluation import EvalConfig
 from trainer.node.hf.lora import LoraConfig
 from trainer.node.metrics import MetricsConfig
 from trainer.node.schedule import TrainConfig
+from trainer.redaction import redact_tree
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -140,11 +141,14 @@ class TrainerConfig:
         )
 
     def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
-        """Plain data. The webhook URL is a secret: redacted unless `secrets` (only for a config file
-        that a node trains with, e.g. the launcher's config.yaml; never for run.json or printing)."""
+        """Plain data. The webhook URL is a secret, and so is a credential inside any URL (a token
+        in metrics.tracking_uri's user part or query): redacted unless `secrets` (only for a config
+        file that a node trains with, e.g. the launcher's config.yaml; never for run.json, the
+        trackers' hyperparameters or printing)."""
         data = dataclasses.asdict(self)
         if not secrets:
             data["health"] = self.health.to_public_dict()
+            data = redact_tree(data)
         return data
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from trainer.configerror import ConfigError, require
+from trainer.redaction import redact_urls
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -192,10 +193,8 @@ class _Mlflow:
         self.run_id = self.client.create_run(
             experiment_id, run_name=config.run_name or output_dir.resolve().name
         ).info.run_id
-        parts = urlsplit(uri)  # MLFLOW_TRACKING_URI may carry user:password@: never logged
-        host = f"{parts.hostname}:{parts.port}" if parts.port else parts.hostname or ""
-        shown = parts._replace(netloc=host).geturl() if parts.password else uri
-        self.where = f"{shown} (experiment {config.project!r}, run {self.run_id})"
+        # The URI may carry a token (user part, ?access_token=...): never logged.
+        self.where = f"{redact_urls(uri)} (experiment {config.project!r}, run {self.run_id})"
         params = [Param(key, str(value)) for key, value in hparams.items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])

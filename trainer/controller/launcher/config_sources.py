@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.redaction import REDACTED, SECRET_KEYS
+from trainer.redaction import REDACTED, SECRET_KEYS, redact_urls
 
 DEFAULT = "trainer default"
 SET = "--set"
@@ -147,10 +147,10 @@ def read_file_values(path: Path | None) -> dict[str, Any]:
 
 
 def shown_value(key: str, value: Any) -> str:
-    """A value as the plan prints it: secrets redacted, '' named."""
+    """A value as the plan prints it: secrets redacted (a credential inside a URL too), '' named."""
     if key in SECRET_KEYS and value not in (None, ""):
         return REDACTED
-    return "''" if value == "" else str(value)
+    return "''" if value == "" else str(redact_urls(value))
 
 
 def rows(sources: Mapping[str, Sourced]) -> list[tuple[str, str]]:

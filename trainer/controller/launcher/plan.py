@@ -34,7 +34,7 @@ from trainer.controller.training_env import (
     parse_training_env,
     workdir_problem,
 )
-from trainer.redaction import REDACTED, redact_env, redact_override
+from trainer.redaction import REDACTED, SECRET_KEYS, redact_env, redact_override, secret_setting
 
 ENGINES = ("ddp", "deepspeed", "accelerate")
 DEFAULT_RUN_NAME = "default"
@@ -296,6 +296,8 @@ def make_plan(
     for item in overrides:
         if "=" not in item:
             raise PlanError(f"--set {item!r}: expected section.key=value, e.g. train.max_steps=100")
+        if problem := _secret_set_problem(item):
+            raise PlanError(problem)
         if item.split("=", 1)[0].strip() == "output_dir":
             raise PlanError(
                 "--set output_dir is not allowed with trainer launch: the run goes to "
@@ -360,6 +362,41 @@ def make_plan(
         user_command=tuple(command),
         workdirs=workdirs,
         extra_env=extra_env,
+    )
+
+
+#: Where a secret config value goes instead of the command line, by key (else SECRET_ELSEWHERE).
+SECRET_SET_FIX = {
+    "health.webhook_url": (
+        "set the inventory's training_health_webhook_url (vaulted), or health.webhook_url in the "
+        "--config file, or --set health.webhook_url_env=NAME with --env NAME (NAME exported in this "
+        "shell), or --set health.webhook_url_file=PATH (a 0600 file on the nodes)"
+    ),
+    "metrics.tracking_uri": (
+        "give the URI without the credential and the token through MLFLOW_TRACKING_TOKEN (or "
+        "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD): export it in this shell and add --env "
+        "MLFLOW_TRACKING_TOKEN, or set it in the inventory's training_env (vaulted); or put the URI in "
+        "the --config file"
+    ),
+}
+SECRET_ELSEWHERE = (
+    "put the value in the --config file or the inventory (vaulted), or pass the credential as an "
+    "environment variable with --env NAME (NAME exported in this shell)"
+)
+
+
+def _secret_set_problem(item: str) -> str | None:
+    """Why a `--set KEY=VALUE` cannot be given (None if it can): a secret on the command line shows
+    in `ps` to every account on the controller for the whole launch, and in the shell's history.
+    The value itself is never repeated."""
+    key, _, value = item.partition("=")
+    key, value = key.strip(), value.strip()
+    if not secret_setting(key, value):
+        return None
+    what = "a secret" if key in SECRET_KEYS else "a URL with a credential in it"
+    return (
+        f"--set {key}=...: {what} on the command line shows in `ps` and your shell history; "
+        f"fix: {SECRET_SET_FIX.get(key, SECRET_ELSEWHERE)}"
     )
 
 
@@ -446,7 +483,8 @@ def add_env_argument(parser: argparse.ArgumentParser) -> None:
         metavar="NAME[=VALUE]",
         help="add a variable to every node's environment, over training_env (repeatable); NAME alone "
         "takes this shell's value, so a key stays off the command line; names such as *_KEY, "
-        "*_TOKEN, *_SECRET are secret (redacted, never in run.sh)",
+        "*_TOKEN, *_SECRET and values with a credential in a URL (http://user:pass@...) are secret "
+        "(redacted, never in run.sh) and must be given as NAME alone",
     )
 
 
