@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trainer.node.train", "run one training worker (alone or under torchrun/deepspeed/accelerate)"),
     "plan": ("trainer.controller.launcher.plan", "print the topology from an inventory; touches nothing"),
     "launch": (
-        "trainer.controller.launcher.launch",
+        "trainer.controller.launcher.launch_cli",
         "start the trainer, or your own command, on every host of an inventory",
     ),
     "status": (

@@ -38,7 +38,7 @@ from trainer.controller.inventory import (
     InventoryError,
     load_cluster,
 )
-from trainer.controller.launcher import launch
+from trainer.controller.launcher import launch, launch_cli
 from trainer.controller.launcher.plan import JobPlan, PlanError, add_job_arguments
 from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.preflight.report import CHECKS
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         if start_at == 0:
             check_provisioning_rules(cluster)
         preflight_args = preflight_arguments(args)
-        plan = launch.replanner(args, cluster)(set(), [])
+        plan = launch_cli.replanner(args, cluster)(set(), [])
     except (InventoryError, TopologyError, PlanError) as err:
         print(f"trainer up: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
@@ -293,7 +293,7 @@ def preflight(preflight_args: argparse.Namespace) -> tuple[int, str]:
 
 def launch_job(args: argparse.Namespace) -> tuple[int, str]:
     args.stop = False  # `trainer launch`'s options, less --stop (`up` starts a job, never stops one)
-    code = launch.run(args)
+    code = launch_cli.run(args)
     return code, "finished" if code == 0 else ""
 
 

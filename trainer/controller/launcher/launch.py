@@ -31,34 +31,25 @@ This module runs one attempt (`Launcher.attempt`: probe, start, follow, stop) an
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pwd
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
 from trainer import exitcodes
-from trainer.controller.access import configure_access
-from trainer.controller.inventory import Cluster, InventoryError, load_cluster
 from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
 from trainer.controller.launcher.launchfiles import launch_files
 from trainer.controller.launcher.live import JobMonitor, LiveView
 from trainer.controller.launcher.plan import (
-    COMMAND_EPILOG,
     JobPlan,
-    PlanError,
-    add_job_arguments,
-    make_plan,
 )
-from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.runlock import (
     LOCK_TASK,
     RELEASE_TASK,
@@ -70,7 +61,7 @@ from trainer.controller.launcher.runlock import (
     release_quietly,
 )
 from trainer.controller.launcher.runscript import node_dir, run_script
-from trainer.controller.launcher.topology import AUTO_IFNAME, TopologyError
+from trainer.controller.launcher.topology import AUTO_IFNAME
 from trainer.controller.launcher.world import WORLD_TIMEOUT_S, WorldCheck
 from trainer.controller.runner import (
     PlaybookResult,
@@ -135,13 +126,6 @@ LAUNCH_VARS = frozenset(
         "launch_release_lock_when_done",
         "launch_reuse",
     }
-)
-#: cli.py gives this verb what follows `--` as args.command (the user's own command).
-TAKES_COMMAND = True
-EXAMPLES = (
-    "trainer launch -i inventory/mycluster --run-name first --set train.max_steps=200",
-    "trainer launch -i inventory/mycluster --run-name qwen-lora --config finetune-lora.yaml --max-restarts 2",
-    "trainer launch -i inventory/mycluster --env WANDB_API_KEY -- bash finetune/finetune_lora_ds.sh",
 )
 #: The bundled trainer's default --stall-timeout (a user's command has none unless given).
 BUNDLED_STALL_TIMEOUT_S = 600.0
@@ -860,18 +844,6 @@ def watch_options(
     )
 
 
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    add_job_arguments(parser)
-    parser.epilog = COMMAND_EPILOG
-    parser.add_argument(
-        "--stop",
-        action="store_true",
-        help="stop the run's trainer on every host (e.g. after the launcher died): `trainer stop`",
-    )
-    add_watch_arguments(parser)
-    add_restart_arguments(parser)
-
-
 def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
     """What happens after a failure: shared by `trainer launch` and `trainer up` (option_problem checks
     how they combine)."""
@@ -905,23 +877,6 @@ def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def replanner(args: argparse.Namespace, cluster: Cluster) -> Callable[[set[str], list[str]], JobPlan]:
-    """make_plan again, from the same command line, without some hosts and with more --set."""
-
-    def replan(excluded: set[str], extra: list[str]) -> JobPlan:
-        return make_plan(
-            dataclasses.replace(cluster, workers=tuple(h for h in cluster.workers if h.name not in excluded)),
-            args.config,
-            (*args.overrides, *extra),
-            args.engine,
-            args.run_name,
-            command=tuple(getattr(args, "command", None) or ()),
-            env_options=tuple(args.env),
-        )
-
-    return replan
-
-
 def prestart(args: argparse.Namespace) -> PrestartedRun | None:
     """start.yml, started before the inventory is read and the plan made: ansible-playbook's own
     start (a second) overlaps with them. Its command line is the same for every plan (start.yml's
@@ -948,47 +903,6 @@ def option_problem(args: argparse.Namespace) -> str | None:
     if args.allow_batch_change and not args.exclude_failed:
         return "--allow-batch-change needs --exclude-failed"
     return None
-
-
-def run(args: argparse.Namespace) -> int:
-    if problem := option_problem(args):
-        print(f"trainer launch: {problem}", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
-    early: PrestartedRun | None = None
-    try:
-        try:
-            configure_access(args)  # sudo/vault passwords (trainer.controller.access)
-            if not args.stop and not args.force:  # --force takes the lock over first (lock.yml)
-                early = prestart(args)
-            # Loaded once: a restart that leaves a node out plans again from the same inventory.
-            cluster = load_cluster(args.inventory)
-            plan = replanner(args, cluster)(set(), [])
-        except (InventoryError, TopologyError, PlanError) as err:
-            print(f"trainer launch: {err}", file=sys.stderr)
-            return exitcodes.CONFIG_ERROR
-        if args.stop:
-            # stop.py builds on this module; imported where it is used, so neither imports the other
-            # at load time.
-            from trainer.controller.launcher.stop import stop_run
-
-            options = watch_options(args, plan.runs_bundled_trainer)
-            return stop_run(cluster, args.run_name, options, "trainer launch --stop")
-        launcher = Launcher(plan, watch_options(args, plan.runs_bundled_trainer), prestarted=early)
-        view = LiveView()
-        install_signal_handlers(view)
-        policy = RestartPolicy(
-            launcher,
-            view,
-            max_restarts=args.max_restarts,
-            exclude_failed=args.exclude_failed,
-            allow_batch_change=args.allow_batch_change,
-            replan=replanner(args, cluster),
-            inventory=str(args.inventory),
-        )
-        return policy.run(force=args.force)
-    finally:
-        if early is not None:
-            early.cancel()  # unused (an error, an interrupt): its ansible-playbook waits for nothing
 
 
 def install_signal_handlers(view: LiveView) -> None:

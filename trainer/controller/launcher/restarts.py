@@ -38,7 +38,7 @@ from trainer.controller.launcher.topology import TopologyError
 if TYPE_CHECKING:
     from trainer.controller.launcher.live import LiveView
 
-#: make_plan again without some hosts and with more --set (launch.replanner).
+#: make_plan again without some hosts and with more --set (launch_cli.replanner).
 Replan = Callable[[set[str], list[str]], JobPlan]
 
 

@@ -1,0 +1,105 @@
+"""`trainer launch`: the command line. It plans the job from the inventory, then hands it to the
+restart policy (restarts.py), which runs attempts of the Launcher (launch.py) until the job ends or
+no restart is left; `--stop` is `trainer stop` (stop.py). Kept apart from launch.py so that the
+modules the command line joins (launch, restarts, stop) do not import each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+
+from trainer import exitcodes
+from trainer.controller.access import configure_access
+from trainer.controller.inventory import Cluster, InventoryError, load_cluster
+from trainer.controller.launcher.launch import (
+    Launcher,
+    add_restart_arguments,
+    add_watch_arguments,
+    install_signal_handlers,
+    option_problem,
+    prestart,
+    watch_options,
+)
+from trainer.controller.launcher.live import LiveView
+from trainer.controller.launcher.plan import COMMAND_EPILOG, JobPlan, PlanError, add_job_arguments, make_plan
+from trainer.controller.launcher.restarts import RestartPolicy
+from trainer.controller.launcher.stop import stop_run
+from trainer.controller.launcher.topology import TopologyError
+from trainer.controller.runner import PrestartedRun
+
+#: cli.py gives this verb what follows `--` as args.command (the user's own command).
+TAKES_COMMAND = True
+EXAMPLES = (
+    "trainer launch -i inventory/mycluster --run-name first --set train.max_steps=200",
+    "trainer launch -i inventory/mycluster --run-name qwen-lora --config finetune-lora.yaml --max-restarts 2",
+    "trainer launch -i inventory/mycluster --env WANDB_API_KEY -- bash finetune/finetune_lora_ds.sh",
+)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    add_job_arguments(parser)
+    parser.epilog = COMMAND_EPILOG
+    parser.add_argument(
+        "--stop",
+        action="store_true",
+        help="stop the run's trainer on every host (e.g. after the launcher died): `trainer stop`",
+    )
+    add_watch_arguments(parser)
+    add_restart_arguments(parser)
+
+
+def replanner(args: argparse.Namespace, cluster: Cluster) -> Callable[[set[str], list[str]], JobPlan]:
+    """make_plan again, from the same command line, without some hosts and with more --set."""
+
+    def replan(excluded: set[str], extra: list[str]) -> JobPlan:
+        return make_plan(
+            dataclasses.replace(cluster, workers=tuple(h for h in cluster.workers if h.name not in excluded)),
+            args.config,
+            (*args.overrides, *extra),
+            args.engine,
+            args.run_name,
+            command=tuple(getattr(args, "command", None) or ()),
+            env_options=tuple(args.env),
+        )
+
+    return replan
+
+
+def run(args: argparse.Namespace) -> int:
+    if problem := option_problem(args):
+        print(f"trainer launch: {problem}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    early: PrestartedRun | None = None
+    try:
+        try:
+            configure_access(args)  # sudo/vault passwords (trainer.controller.access)
+            if not args.stop and not args.force:  # --force takes the lock over first (lock.yml)
+                early = prestart(args)
+            # Loaded once: a restart that leaves a node out plans again from the same inventory.
+            cluster = load_cluster(args.inventory)
+            plan = replanner(args, cluster)(set(), [])
+        except (InventoryError, TopologyError, PlanError) as err:
+            print(f"trainer launch: {err}", file=sys.stderr)
+            return exitcodes.CONFIG_ERROR
+        if args.stop:
+            options = watch_options(args, plan.runs_bundled_trainer)
+            return stop_run(cluster, args.run_name, options, "trainer launch --stop")
+        launcher = Launcher(plan, watch_options(args, plan.runs_bundled_trainer), prestarted=early)
+        view = LiveView()
+        install_signal_handlers(view)
+        policy = RestartPolicy(
+            launcher,
+            view,
+            max_restarts=args.max_restarts,
+            exclude_failed=args.exclude_failed,
+            allow_batch_change=args.allow_batch_change,
+            replan=replanner(args, cluster),
+            inventory=str(args.inventory),
+        )
+        return policy.run(force=args.force)
+    finally:
+        if early is not None:
+            early.cancel()  # unused (an error, an interrupt): its ansible-playbook waits for nothing
