@@ -10,12 +10,16 @@ import errno
 import importlib.util
 import json
 import os
+import pwd
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import jinja2
 import pytest
 import yaml
 
@@ -88,6 +92,145 @@ def test_remove_stale_keeps_a_built_library_and_only_touches_locks_made_since(tm
     assert sorted(lock["op"] for lock in removed) == ["op_built", "op_half"]
     assert library.exists() and not (built / "lock").exists()
     assert not half.exists()
+
+
+# What a process of the venv sees: the variable the .pth left, and (with "torch") the directory torch
+# itself would build and load DeepSpeed's comm op in.
+EXTENSIONS_PROBE = """
+import json, os, sys
+out = {"dir": os.environ.get("TORCH_EXTENSIONS_DIR")}
+if sys.argv[1:] == ["torch"]:
+    from torch.utils.cpp_extension import _get_build_directory
+    out["build_dir"] = _get_build_directory("deepspeed_shm_comm", False)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def two_accounts():
+    """The training account and another one, made on this machine for the test and removed after."""
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("needs root and useradd to make two accounts")
+    made = []
+    for name in ("ct-ext-train", "ct-ext-other"):
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                           check=True)  # fmt: skip
+            made.append(name)
+    yield pwd.getpwnam("ct-ext-train"), pwd.getpwnam("ct-ext-other")
+    for name in made:
+        subprocess.run(["userdel", name], check=False)
+
+
+@pytest.fixture
+def node_venv(two_accounts):
+    """A venv as trainer_env leaves it: the trainer package in site-packages and the role's own .pth,
+    rendered from its task. Made with a python every account may run (pytest's own is under /root),
+    in a directory every account may enter (pytest's tmp_path is root's only)."""
+    interpreter = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    if not interpreter.exists():
+        pytest.skip(f"needs {interpreter}, which other accounts can run")
+    base = Path(tempfile.mkdtemp(prefix="ct-ext-"))
+    try:
+        base.chmod(0o755)
+        venv = base / "venv"
+        subprocess.run([str(interpreter), "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        (site / "trainer").symlink_to(REPO / "trainer")
+        # torch from this checkout's venv, for torch's own answer of where it builds
+        (site / "dev-venv.pth").write_text(f"{Path(torch_site())}\n")
+        prebuilt = base / "var-cache" / "torch_extensions"  # trainer_env_torch_extensions_dir
+        prebuilt.mkdir(parents=True)
+        os.chown(prebuilt, two_accounts[0].pw_uid, two_accounts[0].pw_gid)  # the role's file task
+        tasks = yaml.safe_load((REPO / "roles" / "trainer_env" / "tasks" / "deepspeed_ops.yml").read_text())
+        (copy,) = [
+            t["ansible.builtin.copy"] for t in tasks if str(t.get("ansible.builtin.copy")).count(".pth")
+        ]
+        template = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        template.filters["to_json"] = json.dumps
+        pth = site / copy["dest"].rsplit("/", 1)[-1]
+        pth.write_text(
+            template.from_string(copy["content"]).render(trainer_env_torch_extensions_dir=str(prebuilt))
+        )
+        yield venv / "bin" / "python", prebuilt, base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def torch_site() -> str:
+    """Where torch is installed, found without importing it (seconds) into the test process."""
+    return str(Path(importlib.util.find_spec("torch").origin).parents[1])
+
+
+def test_only_the_training_account_uses_its_prebuilt_ops_and_no_account_another_s(two_accounts, node_venv):
+    """Root starting the venv's python (a DeepSpeed job run with sudo, a root cron job) loaded the
+    libraries in the training account's dir, which that account can replace, and left root-owned
+    builds there. The attacker's dirs are real dirs of another real account, with a library in them."""
+    python, prebuilt, base = node_venv
+    train, other = two_accounts
+    planted = []
+    for where in (base / "other" / "torch_extensions", base / "other-cache" / "torch_extensions"):
+        library = where / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+        library.parent.mkdir(parents=True)
+        library.write_bytes(b"\x7fELF planted")
+        for path in (where.parent, where, library.parent, library):
+            os.chown(path, other.pw_uid, other.pw_gid)
+        planted.append(where)
+    root_home = base / "root-home"
+    root_home.mkdir(mode=0o700)
+
+    def venv_python(env: dict, account=None, torch: bool = False) -> dict:
+        ids = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []} if account else {}
+        out = subprocess.run(
+            [str(python), "-c", EXTENSIONS_PROBE, *(["torch"] if torch else [])],
+            env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=300, cwd="/", **ids,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout)
+
+    # Root, as a root shell starts it, and with the training account's setting kept (sudo -E).
+    as_root = venv_python({"HOME": str(root_home)}, torch=True)
+    own = str(root_home / ".cache" / "torch_extensions")
+    assert as_root == {"dir": own, "build_dir": f"{own}/deepspeed_shm_comm"}
+    kept = venv_python({"HOME": str(root_home), "TORCH_EXTENSIONS_DIR": str(prebuilt)})
+    assert kept["dir"] == own
+    assert not any(prebuilt.iterdir()), "root built nothing in the training account's dir"
+    # Root pointed at the other account's dirs, by the variable and by XDG_CACHE_HOME: neither is
+    # used; root falls back to its home in the password database.
+    aimed = venv_python(
+        {
+            "HOME": str(root_home),
+            "TORCH_EXTENSIONS_DIR": str(planted[0]),
+            "XDG_CACHE_HOME": str(planted[1].parent),
+        }
+    )
+    assert aimed["dir"] == os.path.join(pwd.getpwuid(0).pw_dir, ".cache", "torch_extensions")
+
+    # The training account still gets its prebuilt ops, torch included, and the other account's dir
+    # set for it does not move it there.
+    env = {"HOME": train.pw_dir}
+    assert venv_python(env, train, torch=True) == {
+        "dir": str(prebuilt),
+        "build_dir": f"{prebuilt}/deepspeed_shm_comm",
+    }
+    assert venv_python({**env, "TORCH_EXTENSIONS_DIR": str(planted[0])}, train)["dir"] == str(prebuilt)
+    # Its own choice of a dir of its own still wins (a job's training_env).
+    mine = base / "train-scratch"
+    mine.mkdir()
+    os.chown(mine, train.pw_uid, train.pw_gid)
+    assert venv_python({**env, "TORCH_EXTENSIONS_DIR": str(mine)}, train)["dir"] == str(mine)
+
+    # The role's op build, run as the wrong account, refuses before it imports torch or builds.
+    build = subprocess.run(
+        [str(python), str(REPO / "roles" / "trainer_env" / "files" / "deepspeed_ops.py"), str(prebuilt)],
+        env={"PATH": "/usr/bin:/bin", "HOME": str(root_home)},
+        capture_output=True, text=True, timeout=120, cwd="/",
+    )  # fmt: skip
+    assert build.returncode != 0 and f"refusing to build in {prebuilt}" in build.stderr
+    # Only the training account's own torch made anything there.
+    assert {path.owner() for path in prebuilt.rglob("*")} == {train.pw_name}
 
 
 def test_master_port_listener_binds_over_a_finished_jobs_time_wait_sockets():

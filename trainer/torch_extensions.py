@@ -5,11 +5,11 @@ with O_EXCL and keeps open until the build ends (torch.utils.file_baton). A proc
 the build never removes it, and every later load of that extension then waits on it forever,
 silently. A lock is stale when no process of its owner has it open; that is checked in /proc.
 
-The roots: TORCH_EXTENSIONS_DIR (trainer_env sets it in the training venv to a node-local dir where
-the ops are built at provisioning time) and torch's default, `${XDG_CACHE_HOME:-~/.cache}/
-torch_extensions`, where an earlier job may have built (and left a lock). Used on the nodes by
-trainer_env's op build, preflight's node facts and `trainer launch`'s start check. Standard library
-only.
+The roots: TORCH_EXTENSIONS_DIR (trainer_env's .pth sets it, for the training user only, to a
+node-local dir where the ops are built at provisioning time: trainer.extensions_dir) and torch's
+default, `${XDG_CACHE_HOME:-~/.cache}/torch_extensions`, where an earlier job may have built (and
+left a lock). Used on the nodes by trainer_env's op build, preflight's node facts and `trainer
+launch`'s start check. Standard library only.
 
     python -m trainer.torch_extensions check                    JSON: roots, locks, stale locks, manifest
     python -m trainer.torch_extensions remove-stale [--newer-than EPOCH]   JSON: what was removed
@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.extensions_dir import default_dir
+
 #: Written into the extensions dir by trainer_env's build: {"ops": {name: path of the .so}, ...}.
 MANIFEST = "clustertrain-ops.json"
 LOCK_NAME = "lock"
@@ -32,9 +34,7 @@ LOCK_NAME = "lock"
 
 def default_root(environ: dict[str, str] | None = None) -> Path:
     """torch's own default root (torch._appdirs.user_cache_dir('torch_extensions') on Linux)."""
-    environ = dict(os.environ if environ is None else environ)
-    cache = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "torch_extensions"
+    return Path(default_dir(environ))
 
 
 def extension_roots(environ: dict[str, str] | None = None) -> list[Path]:

@@ -49,7 +49,8 @@ def library_stamps(built: dict[str, str]) -> dict[str, list[float]]:
 def up_to_date(manifest_path: Path, inputs: dict) -> bool:
     try:
         manifest = json.loads(manifest_path.read_text())
-        return manifest.get("inputs") == inputs and manifest.get("libraries") == library_stamps(manifest["ops"])
+        same_libraries = manifest.get("libraries") == library_stamps(manifest["ops"])
+        return manifest.get("inputs") == inputs and same_libraries
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -57,6 +58,12 @@ def up_to_date(manifest_path: Path, inputs: dict) -> bool:
 def main() -> int:
     root = Path(sys.argv[1])
     extra = sys.argv[2:]
+    from trainer.extensions_dir import owned_dir
+
+    # torch would load whatever another account left in a dir it does not own (trainer.extensions_dir):
+    # the role makes the dir the training user's and builds as it, so anything else is a mistake.
+    if not owned_dir(str(root), os.geteuid()):
+        raise SystemExit(f"refusing to build in {root}: not a directory of uid {os.geteuid()}, the builder")
     os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
     # torch's JIT build runs `ninja` from PATH; the venv has it.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
