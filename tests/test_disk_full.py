@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 from finetune_harness import chat_data, finetune_sets, hf_cache, tiny_model  # noqa: F401
-from trainer_harness import finish, start_run
+from trainer_harness import finish, kill_job, start_run, wait_for
 
 from trainer import exitcodes
+from trainer.joblock import LOCK_FILE
 from trainer.node.checkpoint import disk_usage, free_bytes
 
 pytestmark = pytest.mark.slow  # real training runs
@@ -129,7 +130,8 @@ def test_a_disk_that_fills_during_a_save_keeps_the_previous_checkpoint_and_a_rer
     assert not (checkpoints / ".tmp-step-6").exists(), "the incomplete write was not removed"
     assert not any(line.startswith("step ") for line in again.stdout.splitlines()), "it trained"
     assert (out / "run.json").read_text() == run_json and (out / "metrics.jsonl").read_text() == metrics
-    assert free_bytes(disk) < needed
+    # Still too full: the refused run's job lock (trainer.joblock, one tmpfs page) is free again since.
+    assert free_bytes(disk) - 4096 < needed
 
     filler.unlink()
     resumed = _run(out, *STEPS, "train.max_steps=8", "checkpoint.save_total_limit=1")
@@ -138,6 +140,36 @@ def test_a_disk_that_fills_during_a_save_keeps_the_previous_checkpoint_and_a_rer
     assert resumed.summary["steps_this_run"] == 4
     assert (checkpoints / "latest").read_text().strip() == "step-8"
     assert not list(checkpoints.glob(".tmp-*"))
+
+
+def test_a_run_killed_on_a_full_disk_leaves_a_stale_lock_and_the_rerun_still_makes_room(small_disk):
+    # Killed (-9, as a stuck job is) while its write filled the disk: its job lock stays behind, and
+    # the disk has no block left for the next run's lock until the incomplete write goes.
+    out = disk = small_disk("16m")
+    first = _run(out, *STEPS, "train.max_steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = out / "checkpoints"
+    process = start_run(
+        out,
+        [*STEPS, "train.max_steps=8"],
+        launcher="none",
+        nproc=1,
+        env={"TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S": "300", "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_STEP": "6"},
+    )
+    try:
+        wait_for(lambda: (checkpoints / ".tmp-step-6" / "ddp_state.pt").is_file(), 300, "the step-6 write")
+        filler = _fill(disk, leave=0)
+    finally:
+        kill_job(process)
+    assert (out / LOCK_FILE).exists() and free_bytes(disk) == 0
+
+    # The rerun removes the incomplete write first (its holder is dead), takes the lock over and
+    # resumes: the room the write held, with the checkpoints save_total_limit lets go, is enough.
+    again = _run(out, *STEPS, "train.max_steps=8")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "removing incomplete checkpoint" in again.stdout and "took over " in again.stdout
+    assert again.summary["resumed_from"].endswith("step-4") and again.summary["final_step"] == 8
+    assert filler.exists()
 
 
 def test_a_first_checkpoint_that_does_not_fit_is_named_and_the_run_restarts_after_a_remount(small_disk):

@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,20 +111,41 @@ def test_gpu_nodes_ask_slurm_for_their_gpus(tmp_path):
     assert '"bf16": {\n    "enabled": true' in script, "GPU nodes train in bf16 (mixed_precision auto)"
 
 
-def test_a_script_with_secrets_is_readable_by_its_owner_only_and_secrets_are_not_printed(tmp_path):
-    inventory, _, _ = inventory_for_slurm(tmp_path, secret="wandb-secret-3c1")
+def test_secrets_stay_out_of_the_script_in_0600_files_the_job_reads(tmp_path):
+    # Slurm keeps every submitted script in slurmctld's state and accounting: a secret in it outlives
+    # the job, readable by the cluster's admins and tools. So the script holds none.
+    inventory, shared, _ = inventory_for_slurm(tmp_path, secret="wandb-secret-3c1")
     target = tmp_path / "secret.sbatch"
     done = sbatch(
-        "-i", str(inventory), "-o", str(target), "--env", "HF_TOKEN", "--", "bash", "train.sh",
-        env={**os.environ, "HF_TOKEN": "hf-secret-88a"},
+        "-i", str(inventory), "--run-name", "secrets", "-o", str(target), "--env", "HF_TOKEN",
+        "--", "bash", "train.sh", env={**os.environ, "HF_TOKEN": "hf-secret-88a"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert stat.S_IMODE(target.stat().st_mode) == 0o700
     assert "wandb-secret-3c1" not in done.stdout + done.stderr and "hf-secret-88a" not in done.stdout
     script = target.read_text()
-    assert "secret-env <<'CLUSTERTRAIN_EOF'" in script and "(umask 077" in script
+    assert "wandb-secret-3c1" not in script and "hf-secret-88a" not in script
+    secret_env = shared / "runs" / "secrets" / "launch" / "secret-env"
+    assert stat.S_IMODE(secret_env.stat().st_mode) == 0o600
+    assert secret_env.read_text() == "export HF_TOKEN=hf-secret-88a\nexport WANDB_API_KEY=wandb-secret-3c1\n"
     node_part = script.split("node.sh <<'CLUSTERTRAIN_EOF'\n", 1)[1].split("\nCLUSTERTRAIN_EOF\n", 1)[0]
-    assert "wandb-secret-3c1" not in node_part and "hf-secret-88a" not in node_part
+    assert '. "$launch_dir/secret-env"' in node_part, "node.sh reads the secrets when the job runs"
+
+    # A secret in the trainer config (the health webhook): config.yaml is such a file too.
+    config = tmp_path / "webhook.yaml"
+    config.write_text("health:\n  webhook_url: https://hooks.example.com/services/T0/hook-secret-51f\n")
+    done = sbatch("-i", str(inventory), "--run-name", "hooked", "--config", str(config), "-o", str(target))
+    assert done.returncode == 0, done.stderr
+    assert "hook-secret-51f" not in target.read_text() + done.stdout
+    written = shared / "runs" / "hooked" / "launch" / "config.yaml"
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600 and "hook-secret-51f" in written.read_text()
+
+
+def test_a_job_with_secrets_is_refused_where_the_shared_dir_is_not_mounted(tmp_path):
+    inventory, shared, _ = inventory_for_slurm(tmp_path, secret="wandb-secret-3c1")
+    shared.rmdir()  # this machine does not have the cluster's shared dir
+    done = sbatch("-i", str(inventory), "-o", str(tmp_path / "x.sbatch"), "--", "bash", "train.sh")
+    assert done.returncode == 2 and "run trainer sbatch where the shared dir is mounted" in done.stderr
+    assert not (tmp_path / "x.sbatch").exists() and "wandb-secret-3c1" not in done.stderr
 
 
 def test_bad_arguments_are_refused(tmp_path):
@@ -203,3 +225,62 @@ def test_a_qwen_shaped_script_runs_on_slurm_from_the_inventory(slurm, tmp_path):
         assert env["CLUSTER_OUTPUT_DIR"] == str(shared / "runs" / "qwen")
         assert seen["accelerate_machine_rank"] == node and seen["cwd"] == str(workdir)
     assert len({tuple(r["params"]) for r in result["ranks"]}) == 1
+
+
+def kept_by_slurm(slurm: SlurmCluster, job: str) -> str:
+    """The batch script as slurmctld keeps it (what its admins and `scontrol` read after the job)."""
+    return subprocess.run(
+        ["scontrol", "write", "batch_script", job, "-"],
+        capture_output=True, text=True, env=slurm.env, timeout=30,
+    ).stdout  # fmt: skip
+
+
+def test_a_slurm_job_gets_its_secret_at_run_time_and_slurm_keeps_none(slurm, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    script = tmp_path / "secret.sbatch"
+    done = sbatch(
+        "--nodes", "2", "--procs-per-node", "1", "--shared-dir", str(shared), "--run-name", "secret",
+        "-o", str(script), "--env", "WANDB_API_KEY", "--", "sh", "-c",
+        'printf %s "$WANDB_API_KEY" > "got-$NODE_RANK"',
+        env={**os.environ, "WANDB_API_KEY": "wandb-secret-9d2"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job = slurm.submit(script, cwd=shared)
+    state = slurm.wait(job, 180)
+    assert state == "COMPLETED", (shared / f"slurm-{job}.out").read_text()[-3000:]
+    assert [(shared / f"got-{rank}").read_text() for rank in (0, 1)] == ["wandb-secret-9d2"] * 2
+    kept = kept_by_slurm(slurm, job)
+    assert "srun --kill-on-bad-exit" in kept, "slurmctld keeps the script"
+    assert "wandb-secret-9d2" not in kept
+
+
+def test_a_second_slurm_job_of_a_running_run_is_refused_and_the_first_finishes(slurm, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    script = tmp_path / "busy.sbatch"
+    # The command waits for a file the test writes: the first job runs for as long as the test needs.
+    done = sbatch(
+        "--nodes", "1", "--procs-per-node", "1", "--shared-dir", str(shared), "--run-name", "busy",
+        "-o", str(script), "--", "sh", "-c",
+        'while [ ! -e go ]; do sleep 0.2; done; echo finished > "done-$CLUSTER_JOB_ID"',
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lock = shared / "runs" / "busy" / "job.lock"
+    first = slurm.submit(script, cwd=shared)
+    deadline = time.monotonic() + 120
+    while not (shared / "runs" / "busy" / "launch" / "job.env").exists():  # written under the lock
+        assert time.monotonic() < deadline, f"the first job never started: {slurm.logs()}"
+        time.sleep(0.2)
+
+    second = slurm.submit(script, cwd=shared)
+    assert slurm.wait(second, 120) == "FAILED"
+    assert slurm.job(second).get("ExitCode") == "2:0"
+    refused = (shared / f"slurm-{second}.out").read_text()
+    assert f"is in use by the batch job of run busy (job {first})" in refused, refused[-3000:]
+
+    (shared / "go").touch()
+    state = slurm.wait(first, 120)
+    assert state == "COMPLETED", (shared / f"slurm-{first}.out").read_text()[-3000:]
+    assert (shared / f"done-{first}").read_text() == "finished\n", "the first job was disturbed"
+    assert not lock.exists(), "the lock outlived its job"

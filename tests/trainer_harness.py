@@ -128,11 +128,52 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def kill_job(process: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every worker (they share the process group start_run made)."""
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid`: its children, theirs, and so on."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[parent].append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_job(process: subprocess.Popen, sig: int) -> list[int]:
+    """`sig` to the launcher and every worker: the process group start_run made and every process
+    under the launcher (torchrun starts its workers in sessions of their own, outside that group).
+    The processes signalled."""
+    job = [process.pid, *descendants(process.pid)]
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(process.pid, sig)
+    for pid in job:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    return job
+
+
+def kill_job(process: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every worker (signal_job): none is left writing to the output dir."""
+    job = signal_job(process, signal.SIGKILL)
     process.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(_running(pid) for pid in job[1:]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a worker's exit, and its files closed, before the test looks
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (one that no parent reaps is gone all the same)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def finish(process: subprocess.Popen, output_dir: Path) -> Run:

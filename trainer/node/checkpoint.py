@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -554,23 +555,49 @@ def space_problem(
     return no_space_message(directory, step=step, needed=needed, measured=True, free=free)
 
 
-#: What a stopped run can leave in output_dir besides checkpoints/.tmp-*: temporary files of atomic
-#: writes (run.json.tmp, latest.tmp), the shared-dir check's marker, an unfinished final model.
-LEFTOVER_PATTERNS = ("*.tmp", ".shared-check-*", f"{TMP_PREFIX}final")
+#: The names of the trainer's own temporary files, and only those: a user's `notes.tmp` or `data.tmp/`
+#: in output_dir is theirs, never a leftover. Per directory, (pattern, what it is); written by
+#: CheckpointWriter.save (`.tmp-step-N`), _write_atomically (`latest.tmp`), is_disk_full's probe,
+#: Reporter.write_json (run.json, summary.json), trainer.node.report (report.json),
+#: train._check_output_dir_is_shared (its marker: a uuid4 hex) and hf.final.save_pretrained. The
+#: curves' `.NAME.png.tmp` are not here: the next report rewrites the same names.
+CHECKPOINT_LEFTOVERS = (
+    (re.compile(rf"{re.escape(TMP_PREFIX)}step-\d+"), "incomplete checkpoint"),
+    (re.compile(rf"{re.escape(LATEST)}\.tmp"), "incomplete write"),
+    (re.compile(rf"{re.escape(TMP_PREFIX)}space-probe-\d+"), "free-space probe"),
+)
+OUTPUT_DIR_LEFTOVERS = (
+    (re.compile(r"(run|summary)\.json\.tmp|\.report\.json\.tmp"), "incomplete write"),
+    (re.compile(r"\.shared-check-[0-9a-f]{32}"), "shared-dir check marker"),
+    (re.compile(rf"{re.escape(TMP_PREFIX)}final"), "incomplete final model"),
+)
+
+
+def leftovers(output_dir: str | Path) -> list[tuple[Path, str]]:
+    """What an interrupted run of the trainer left in output_dir, each with what it is."""
+    output_dir = Path(output_dir)
+    found = []
+    for directory, patterns in (
+        (checkpoints_dir(output_dir), CHECKPOINT_LEFTOVERS),
+        (output_dir, OUTPUT_DIR_LEFTOVERS),
+    ):
+        names = sorted(os.listdir(directory)) if directory.is_dir() else []
+        found += [
+            (directory / name, what)
+            for name in names
+            for pattern, what in patterns
+            if pattern.fullmatch(name)
+        ]
+    return found
 
 
 def remove_leftovers(output_dir: str | Path, log: Callable[[str], None]) -> None:
-    """Delete what an interrupted write left behind (a kill, a full disk): rank 0, before the run
-    writes anything, so the space it holds is free for this run's first write."""
-    output_dir = Path(output_dir)
-    directory = checkpoints_dir(output_dir)
-    found = [*directory.glob(TMP_PREFIX + "*"), *directory.glob("*.tmp")] if directory.is_dir() else []
-    if output_dir.is_dir():
-        found += [path for pattern in LEFTOVER_PATTERNS for path in output_dir.glob(pattern)]
-    for leftover in sorted(set(found)):
+    """Delete what an interrupted write of the trainer left behind (a kill, a full disk), each removal
+    logged: rank 0, holding the output dir's job lock (trainer.joblock: no other job's write is in
+    flight), before the run writes anything, so the space it holds is free for this run's first write."""
+    for leftover, what in leftovers(output_dir):
+        log(f"removing {what} {leftover} (a run stopped while writing it)")
         if leftover.is_dir() and not leftover.is_symlink():
-            what = "checkpoint" if leftover.parent == directory else "write"
-            log(f"removing incomplete {what} {leftover} (a run stopped while writing it)")
             shutil.rmtree(leftover, ignore_errors=True)
         else:
             with contextlib.suppress(OSError):

@@ -3,9 +3,10 @@
 Order matters: the config, the data and whether the model can fit in memory are checked on every
 rank before the process group starts, so a bad value fails fast and identically everywhere (rank 0
 says why) instead of one rank hanging. Then, still before anything is written: the checkpoint to
-resume from is checked against this run (trusted files, settings, data and vocabulary), and rank 0
-removes what an interrupted write left; with the process group up, a resumed run that has no room
-for its next checkpoint stops (exit NO_SPACE).
+resume from is checked against this run (trusted files, settings, data and vocabulary); with the
+process group up, rank 0 takes output_dir's job lock (trainer.joblock: a second job on the same
+output dir is refused, exit 2, every rank together) and removes what an interrupted write of the
+trainer left, and a resumed run that has no room for its next checkpoint stops (exit NO_SPACE).
 """
 
 from __future__ import annotations
@@ -257,6 +258,7 @@ def train(
     import numpy as np
     import torch
 
+    from trainer.joblock import JobLock, job_from_env
     from trainer.node import distributed
     from trainer.node.checkpoint import (
         CheckpointWriter,
@@ -296,12 +298,15 @@ def train(
         resume_warnings = check_resumable(
             resume_from, config, world_size=topology.world_size, identity=identity
         )
-    if topology.is_main:
-        # Before anything is written: an interrupted write (a kill, a full disk) may hold the space
-        # this run's first write needs.
-        remove_leftovers(output_dir, reporter.info)
     distributed.start(topology, config.distributed.timeout_s)
+    # One job per output dir: a second job's start would delete this one's checkpoint in flight.
+    job_lock = JobLock(output_dir, job=job_from_env()) if topology.is_main else None
     try:
+        _take_job_lock(job_lock, reporter.info)
+        if topology.is_main:
+            # Before anything is written: an interrupted write (a kill, a full disk) may hold the
+            # space this run's first write needs.
+            remove_leftovers(output_dir, reporter.info)
         _check_output_dir_is_shared(output_dir, topology)
         if resume_from is not None:
             resumed = int(read_state(resume_from).get("step", 0))
@@ -323,6 +328,8 @@ def train(
                     raise DiskFull(problem, everywhere=True)
     except (ConfigError, DiskFull):
         distributed.shutdown(clean=True)  # every rank found the same problem: they leave together
+        if job_lock is not None:
+            job_lock.release()
         raise
     clean = False
     on_gpu = topology.device.startswith("cuda")
@@ -528,6 +535,8 @@ def train(
         model = engine = trainer = evaluate = None
         gc.collect()
         distributed.shutdown(clean)
+        if job_lock is not None:  # after the last write of every rank (a clean shutdown waits for them)
+            job_lock.release()
 
 
 def _last_line(error: BaseException) -> str:
@@ -552,6 +561,52 @@ def _failed_file(error: BaseException) -> str:
             return f"writing {cause.filename}"
         cause = cause.__cause__ or cause.__context__
     return type(error).__name__
+
+
+def _take_job_lock(lock, say) -> None:
+    """Rank 0 takes output_dir's job lock (trainer.joblock; `lock` is None on the other ranks) and every
+    rank gets its verdict: a refusal is a ConfigError on all of them (a full disk: DiskFull), so the
+    job leaves together before anything in output_dir is removed or written. A collective: every
+    rank calls it."""
+    from trainer.joblock import LOCK_FILE, Locked
+    from trainer.node import distributed
+    from trainer.node.checkpoint import DiskFull, remove_leftovers, says_no_space
+    from trainer.node.config import ConfigError
+
+    problem = None
+    if lock is not None:
+        try:
+            try:
+                note = lock.acquire()
+            except OSError as err:
+                if not says_no_space(err) or lock.held_by_live_job():
+                    raise
+                # A full disk and no live job on the output dir: an incomplete write of a stopped run
+                # (killed, its lock left stale) may be what fills it, and only its removal makes room
+                # for the lock: safe now, since every job holds the lock while it writes.
+                remove_leftovers(lock.directory, say)
+                note = lock.acquire()
+            if note:
+                say(note)
+            lock.start_heartbeat()
+        except Locked as err:
+            problem = ("locked", str(err))
+        except OSError as err:
+            if says_no_space(err):
+                problem = (
+                    "full",
+                    f"no space left on device in {lock.directory} for its job lock ({LOCK_FILE}): free "
+                    "space there (other files, or use another output_dir), then run the same command "
+                    "again to resume",
+                )
+            else:
+                problem = ("locked", f"cannot take the job lock in {lock.directory}: {err.strerror or err}")
+    problem = distributed.gather(problem)[0]
+    if problem:
+        kind, text = problem
+        if kind == "full":
+            raise DiskFull(text, everywhere=True)
+        raise ConfigError("output_dir", text)
 
 
 def _check_output_dir_is_shared(output_dir, topology) -> None:

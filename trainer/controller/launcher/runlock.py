@@ -28,10 +28,11 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 from trainer.controller.runner import run_playbook
+from trainer.joblock import process_alive, process_start
 
 PLAYBOOK = PurePosixPath(__file__).parent / "playbooks" / "lock.yml"
 #: start.yml's tasks on the head (the launcher follows them by name; where the head's probe takes
@@ -46,30 +47,12 @@ class LockError(Exception):
     """The lock could not be read or changed (the head did not answer, the helper failed)."""
 
 
-def process_start(pid: int) -> str | None:
-    """The start time of process `pid` (clock ticks since boot, /proc/PID/stat), or None: with the pid,
-    it tells a live holder from a reused pid."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def holder_state(holder: dict[str, Any] | None) -> str:
     """'alive' or 'dead' for a holder on this controller; 'unknown' for one elsewhere (or unreadable)."""
     if not holder or holder.get("controller") != socket.gethostname():
         return "unknown"
-    try:
-        pid = int(holder["pid"])
-        os.kill(pid, 0)
-    except (KeyError, TypeError, ValueError, ProcessLookupError):
-        return "dead"
-    except PermissionError:
-        pass  # another account's process: alive
-    started = holder.get("pid_start")
-    if started and process_start(pid) not in (None, str(started)):
-        return "dead"  # the pid was reused by another process
-    return "alive"
+    # The pid with its start time, as the trainer's job lock judges its holders (trainer.joblock).
+    return "alive" if process_alive(holder.get("pid"), holder.get("pid_start")) else "dead"
 
 
 def describe_holder(holder: dict[str, Any] | None) -> str:

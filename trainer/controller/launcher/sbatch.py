@@ -4,8 +4,10 @@ write the job `trainer launch` would start as a Slurm batch script (`--pbs`: a P
 With an inventory the script is the same job: the shared dir, venv, master port, NCCL settings,
 training_env and working directory come from it; the scheduler picks the hosts. Without one,
 the command line describes the job and the current directory stands in for the shared dir.
-Nothing is contacted or started: the script is written to a file (mode 0700 when it carries
-secrets, since a Slurm script is a file the job's user hands to the scheduler as is).
+Nothing is contacted or started: the script is written to a file. It never holds a secret (the
+scheduler keeps every script it is given): secrets go to the run's launch dir on the shared dir, mode
+0600, read by the job at run time (scheduler.private_files), so a job with secrets is written where
+the shared dir is mounted (a login node).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import uuid
 from pathlib import Path
 
 from trainer import exitcodes
 from trainer.controller.access import configure_access
 from trainer.controller.inventory import Cluster, Host, InventoryError
 from trainer.controller.launcher.plan import COMMAND_EPILOG, JobPlan, PlanError, add_job_arguments, make_plan
-from trainer.controller.launcher.scheduler import BatchOptions, pbs_script, slurm_script
+from trainer.controller.launcher.scheduler import BatchOptions, pbs_script, private_files, slurm_script
 from trainer.controller.launcher.topology import DEFAULT_MASTER_PORT, TopologyError
 
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
@@ -88,6 +91,17 @@ def cluster_from_options(args: argparse.Namespace) -> Cluster:
     return Cluster(inventory=DESCRIBED_BY_OPTIONS, head=hosts[0], workers=tuple(hosts[1:]))
 
 
+def write_private(path: Path, text: str) -> None:
+    """`text` into `path`, readable by this user only from the moment it exists: a new file (0600,
+    never through a link someone left in its place) renamed over the old one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    with open(os.open(tmp, flags, 0o600), "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
 def plan_from_args(args: argparse.Namespace) -> JobPlan:
     if args.inventory and args.nodes is not None:
         raise PlanError("give either -i INVENTORY or --nodes N, not both")
@@ -113,13 +127,34 @@ def run(args: argparse.Namespace) -> int:
     options = BatchOptions(time_limit=args.time, partition=args.partition, cpus_per_task=args.cpus_per_task)
     script = pbs_script(plan, options) if args.pbs else slurm_script(plan, options)
     target = Path(args.output or f"{plan.run_name}.{'pbs' if args.pbs else 'sbatch'}")
-    # A script with secrets is readable by its owner only, from the moment it exists.
-    mode = 0o700 if plan.has_secrets else 0o755
+    private = private_files(plan)
+    if private and not Path(plan.shared_dir).is_dir():
+        print(
+            f"trainer sbatch: this job has secrets ({', '.join(private)}); they go to a file on the "
+            f"shared dir, {plan.shared_dir}, which this machine does not have: run trainer sbatch where "
+            "the shared dir is mounted (a login node), never with the secrets in the script",
+            file=sys.stderr,
+        )
+        return exitcodes.CONFIG_ERROR
+    try:
+        for name, text in private.items():
+            write_private(Path(plan.launch_dir) / name, text)
+    except OSError as err:
+        print(
+            f"trainer sbatch: cannot write the job's secrets to {err.filename}: {err.strerror}",
+            file=sys.stderr,
+        )
+        return exitcodes.CONFIG_ERROR
     target.unlink(missing_ok=True)
-    with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as handle:
+    with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755), "w") as handle:
         handle.write(script)
     submit = "qsub" if args.pbs else "sbatch"
-    secrets_note = "; it holds secrets: mode 0700" if plan.has_secrets else ""
+    secrets_note = (
+        f"; its secrets are in {', '.join(f'{plan.launch_dir}/{name}' for name in private)} (mode 0600), "
+        "not in the script"
+        if private
+        else ""
+    )
     print(
         f"wrote {target} ({plan.topology.nnodes} nodes x {plan.topology.gpus_per_node} processes, run "
         f"{plan.run_name}, output {plan.output_dir}){secrets_note}"

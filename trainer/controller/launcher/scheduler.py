@@ -13,6 +13,12 @@ The bundled trainer starts as `torchrun` with a c10d rendezvous on the master po
 decides which hosts the job gets, so the rendezvous, not the inventory, orders them); a user's own
 command runs as given, in the working directory, with the same environment `trainer launch` gives.
 Every value written into a script is quoted with shlex.quote; names were checked by the plan.
+
+No secret is in a script: the scheduler keeps the script in its state and accounting (`scontrol
+write batch_script`, sacct) where its admins and tools read it. The secret variables (secret-env,
+sourced by node.sh) and a trainer config holding a secret are written by `trainer sbatch` into the
+launch dir, mode 0600 (private_files). Before the job writes anything, the batch script takes the
+output dir's job lock (trainer.joblock): a second job of the run is refused while the first runs.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from trainer.controller.launcher.launchfiles import accelerate_config, deepspeed
 from trainer.controller.launcher.plan import JobPlan
 from trainer.controller.launcher.topology import AUTO_IFNAME
 from trainer.controller.training_env import IB_AUTO, IB_DEVICES_DIR
+from trainer.joblock import HEARTBEAT_S
+from trainer.joblock import LOCK_FILE as JOB_LOCK_FILE
 
 #: Variables node.sh sets from the job (job.env) or per node, not from the plan's fixed values.
 _RUNTIME = {
@@ -142,6 +150,51 @@ def node_script(plan: JobPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _config_text(plan: JobPlan) -> str:
+    return "# The resolved trainer config every node of this run trains with.\n" + yaml.safe_dump(
+        plan.node_config, sort_keys=False
+    )
+
+
+def private_files(plan: JobPlan) -> dict[str, str]:
+    """The run's files that hold secrets (launch dir name -> text): the secret variables, sourced by
+    node.sh, and a trainer config with a secret in it. Never in the batch script: the scheduler keeps
+    a job's script in its state (and accounting), readable long after the job. `trainer sbatch`
+    writes them into the launch dir on the shared dir, mode 0600, as `trainer launch` writes a
+    node's secret-env."""
+    files = {}
+    secrets = plan.node_secret_env(plan.topology.head)
+    if secrets:
+        files["secret-env"] = "".join(
+            f"export {name}={shlex.quote(value)}\n" for name, value in sorted(secrets.items())
+        )
+    if plan.runs_bundled_trainer and plan.config_has_secrets:
+        files["config.yaml"] = _config_text(plan)
+    return files
+
+
+def _take_job_lock(plan: JobPlan) -> list[str]:
+    """Batch-script lines that take the output dir's job lock (trainer.joblock) before the job touches
+    the run's files, release it when the script ends, and keep it fresh meanwhile."""
+    python = shlex.quote(str(PurePosixPath(plan.training_venv) / "bin" / "python"))
+    joblock = f"{python} -I -m trainer.joblock"
+    holder = shlex.quote(f"the batch job of run {plan.run_name}")
+    return [
+        "# One job per output dir (trainer/joblock.py): a second job of this run while this one runs is",
+        "# refused here (exit 2, naming this job) before it touches the run's files; the trainer on the",
+        "# nodes finds the lock held by its own job (CLUSTER_JOB_ID) and goes on under it.",
+        f"output_dir={shlex.quote(plan.output_dir)}",
+        f'lock_token=$({joblock} take "$output_dir" --pid $$ --job "$CLUSTER_JOB_ID" --command {holder})'
+        " || exit $?",
+        f'trap \'kill "$heartbeat" 2>/dev/null; {joblock} release "$output_dir" --token "$lock_token"\' EXIT',
+        "# The heartbeat, for a job on another host (which cannot look up this shell's pid): while this",
+        "# shell lives. It stops with the shell, so the lock of a killed job goes stale.",
+        f'while kill -0 $$ 2>/dev/null; do touch -c "$output_dir/{JOB_LOCK_FILE}"; sleep {HEARTBEAT_S};'
+        " done &",
+        "heartbeat=$!",
+    ]
+
+
 def _write_run_files(plan: JobPlan) -> list[str]:
     """Batch-script lines that write the run's files into the launch dir when the job starts."""
     launch = _launch_dir(plan)
@@ -153,15 +206,14 @@ def _write_run_files(plan: JobPlan) -> list[str]:
         _heredoc(f"{launch}/node.sh", node_script(plan)),
         _heredoc(f"{launch}/deepspeed.json", json.dumps(deepspeed_config(plan), indent=2)),
     ]
-    if plan.runs_bundled_trainer:
-        config = "# The resolved trainer config every node of this run trains with.\n" + yaml.safe_dump(
-            plan.node_config, sort_keys=False
+    if plan.runs_bundled_trainer and not plan.config_has_secrets:
+        lines.append(_heredoc(f"{launch}/config.yaml", _config_text(plan), private=True))
+    for name in private_files(plan):
+        missing = (
+            f"the run's {name} (its secrets, written by trainer sbatch into {plan.launch_dir}, never into "
+            "this script) is missing: run trainer sbatch again"
         )
-        lines.append(_heredoc(f"{launch}/config.yaml", config, private=True))
-    secrets = plan.node_secret_env(plan.topology.head)
-    if secrets:
-        text = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in sorted(secrets.items()))
-        lines.append(_heredoc(f"{launch}/secret-env", text, private=True))
+        lines.append(f"[ -r {launch}/{name} ] || {{ echo {shlex.quote(missing)} >&2; exit 2; }}")
     lines += [
         "# One accelerate config per node: only machine_rank differs.",
         "accelerate_template=$(cat <<'CLUSTERTRAIN_EOF'\n"
@@ -234,6 +286,8 @@ def slurm_script(plan: JobPlan, options: BatchOptions = BatchOptions()) -> str:
         "NNODES=$SLURM_JOB_NUM_NODES",
         "CLUSTER_JOB_ID=$SLURM_JOB_ID",
         "",
+        *_take_job_lock(plan),
+        "",
         *_write_run_files(plan),
         "",
         'echo "[clustertrain] run '
@@ -271,6 +325,8 @@ def pbs_script(plan: JobPlan, options: BatchOptions = BatchOptions()) -> str:
         *_resolve_head('echo "${hosts[0]}"'),
         "NNODES=${#hosts[@]}",
         "CLUSTER_JOB_ID=${PBS_JOBID:-$$}",
+        "",
+        *_take_job_lock(plan),
         "",
         *_write_run_files(plan),
         "",
