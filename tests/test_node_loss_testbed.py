@@ -22,17 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testbed_nodes import INVENTORY, LauncherOutput, lost_node, restore_node
+from testbed_nodes import BED_TEST, INVENTORY, LauncherOutput, lost_node, restore_node
 
-STATUS = Path("/tmp/clustertrain-testbed.status")
-pytestmark = [
-    pytest.mark.testbed,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (STATUS.exists() and STATUS.read_text().startswith("up")),
-        reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
-    ),
-]
+pytestmark = BED_TEST
 #: A master port of this file's own, inside the firewall's comm range (the other bed tests use theirs).
 MASTER_PORT = 29547
 VICTIM = "ct-worker2"

@@ -26,17 +26,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testbed_nodes import ENV, INVENTORY, REPO
+from testbed_nodes import BED_TEST, ENV, INVENTORY, REPO
 
-STATUS = Path("/tmp/clustertrain-testbed.status")
-pytestmark = [
-    pytest.mark.testbed,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (STATUS.exists() and STATUS.read_text().startswith("up")),
-        reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
-    ),
-]
+pytestmark = BED_TEST
 SKIPPED = "and this run is made from the same inputs: the roles are skipped"
 STEPS = 4
 

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,6 +41,16 @@ INVENTORY = REPO / "molecule" / "default" / "inventory"
 ACCESS = Path("/var/tmp/clustertrain-testbed/access")
 ENV = {**os.environ, "CONTAINERS_CONF": str(REPO / "scripts" / "testbed" / "containers.conf")}
 HEAD = "ct-head"
+STATUS = Path("/tmp/clustertrain-testbed.status")
+#: The marks of a test-bed test module: `pytestmark = BED_TEST`.
+BED_TEST = [
+    pytest.mark.testbed,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (STATUS.exists() and STATUS.read_text().startswith("up")),
+        reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
+    ),
+]
 
 
 def _inventory() -> tuple[dict[str, dict], dict]:
