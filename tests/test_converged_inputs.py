@@ -112,6 +112,8 @@ def test_the_roles_watch_lists_merge_into_one_sorted_spec():
             {"packages": ["chrony"], "paths": ["/etc/chrony/chrony.conf"]},
             {"packages": ["ufw", "chrony"], "ufw": True},
             {"paths": ["/etc/default/chrony", ""], "services": ["chrony"]},
+            # A templated flag may arrive as text: "False" is off, not a non-empty string.
+            {"sshd": "False"},
         ]
     )
     assert spec == {
@@ -123,6 +125,7 @@ def test_the_roles_watch_lists_merge_into_one_sorted_spec():
         "groups": [],
         "mounts": [],
         "ufw": True,
+        "sshd": False,
     }
     with pytest.raises(ValueError, match="unknown kind 'commands'"):
         converged.converged_spec([{"commands": ["true"]}])

@@ -17,17 +17,23 @@ from pathlib import Path
 import pytest
 
 MODULE = Path(__file__).resolve().parents[1] / "roles" / "converged" / "library" / "converged_state.py"
+#: Root as on a home on NFS that squashes root: without the capabilities that let it read any file.
+SQUASHED_ROOT = [
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search",
+    "--bounding-set=-dac_override,-dac_read_search",
+]
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the record is root's own (its dir is checked for uid 0)"
 )
 
 
-def module(tmp_path: Path, **args) -> dict:
+def module(tmp_path: Path, runner: tuple[str, ...] = (), **args) -> dict:
     args_file = tmp_path / "args.json"
     args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
     done = subprocess.run(
-        [sys.executable, str(MODULE), str(args_file)], capture_output=True, text=True, timeout=60
+        [*runner, sys.executable, str(MODULE), str(args_file)], capture_output=True, text=True, timeout=60
     )
     return json.loads(done.stdout)
 
@@ -58,13 +64,14 @@ def node(tmp_path: Path) -> dict:
     }
 
 
-def record(node: dict, inputs: str = "inputs-1", cluster: str = "cluster-1") -> dict:
+def record(node: dict, inputs: str = "inputs-1", cluster: str = "cluster-1", runner: tuple = ()) -> dict:
     """The record play's two steps: read the state, then write what was read."""
-    read = module(node["tmp"], mode="digest", spec=node["spec"])
+    read = module(node["tmp"], runner, mode="digest", spec=node["spec"])
     if read.get("failed"):
         return read
     written = module(
         node["tmp"],
+        runner,
         mode="record",
         path=node["record"],
         spec=node["spec"],
@@ -76,8 +83,8 @@ def record(node: dict, inputs: str = "inputs-1", cluster: str = "cluster-1") -> 
     return written
 
 
-def probe(node: dict, inputs: str = "inputs-1") -> dict:
-    return module(node["tmp"], mode="probe", path=node["record"], inputs=inputs)
+def probe(node: dict, inputs: str = "inputs-1", runner: tuple = ()) -> dict:
+    return module(node["tmp"], runner, mode="probe", path=node["record"], inputs=inputs)
 
 
 def test_untouched_node_is_converged_and_its_digest_matches_the_record(node):
@@ -173,6 +180,40 @@ def test_a_symlink_in_a_watched_path_is_recorded_never_followed(node):
     assert state[f"path {home / '.ssh'}"] == f"link 0777 0:0 -> {secret_dir}"
     (secret_dir / "authorized_keys").write_text("changed behind the link\n")
     assert probe(node)["converged"] is True  # the target was never read, so its change is not seen
+
+
+def test_what_root_cannot_read_is_never_converged_and_said_once(node):
+    """A training home on NFS that squashes root: root (here, without its DAC capabilities) cannot
+    enter ~/.ssh, so a deleted authorized_keys reads "unreadable" before and after. The node is never
+    called converged, in one reason that names the item, and a file root may see but not open is
+    unreadable too (it made the module fail before)."""
+    home = node["tmp"] / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAA cluster\n")
+    (home / "notes").write_text("the user's own\n")
+    for path, mode in (
+        (home / ".ssh", 0o700),
+        (home / ".ssh" / "authorized_keys", 0o600),
+        (home / "notes", 0o600),
+    ):
+        os.chown(path, 65534, 65534)
+        os.chmod(path, mode)
+    node["spec"]["paths"] += [str(home / ".ssh"), str(home / ".ssh" / "authorized_keys"), str(home / "notes")]
+    assert record(node, runner=SQUASHED_ROOT)["changed"] is True
+    state = json.loads(Path(node["record"]).read_text())["state"]
+    assert state[f"path {home / '.ssh' / 'authorized_keys'}"] == "unreadable: Permission denied"
+    assert state[f"path {home / 'notes'}"] == "unreadable: Permission denied"
+
+    (home / ".ssh" / "authorized_keys").unlink()
+    seen = probe(node, runner=SQUASHED_ROOT)
+    assert seen["converged"] is False
+    assert seen["reasons"] == [
+        f"root cannot read path {home / '.ssh' / 'authorized_keys'} (unreadable: Permission denied)"
+        " and 1 more item here,"
+        " so it cannot tell what changed: every role runs while it cannot"
+        " (a home on NFS that squashes root does this)"
+    ]
+    assert probe(node)["converged"] is False, "root that can read sees the deleted file itself"
 
 
 def test_a_fifo_is_recorded_without_blocking(node):

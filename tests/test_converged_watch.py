@@ -125,10 +125,18 @@ def test_ufw_and_the_packages_are_watched_where_they_are_changed():
     assert "packages_converged_watch" in packages and "+ packages_wanted" in packages
 
 
-def test_the_record_play_knows_every_plays_tag():
-    """A run with --skip-tags naming any play's tag is partial and must not write the record; the
-    record play lists those tags by hand (Ansible does not tell a play the others' tags)."""
+def test_the_plain_run_check_knows_every_plays_tag():
+    """A run with --skip-tags naming any play's tag is partial: it must neither be skipped by the
+    converged check nor write the record. The first play lists those tags by hand (Ansible does not
+    tell a play the others' tags) and says whether the run is a plain one."""
     plays = yaml.safe_load((ROLES.parent / "playbooks" / "site.yml").read_text())
-    record_play = next(play for play in plays if "converged" in play.get("tags", []))
+    first_play = plays[0]
     tagged = {tag for play in plays for tag in play.get("tags", [])}
-    assert set(record_play["vars"]["site_play_tags"]) == tagged
+    assert set(first_play["vars"]["site_play_tags"]) == tagged
+
+
+def test_sshd_ports_are_watched_where_ssh_trust_derives_them():
+    """ssh_trust writes each node's sshd port (sshd -T) into the others' known_hosts and ssh config."""
+    assert "sshd ssh_trust_port|string==auto" in watch_text("ssh_trust"), "on wherever the port is derived"
+    tasks = (ROLES / "ssh_trust" / "tasks" / "main.yml").read_text()
+    assert "argv: [/usr/sbin/sshd, -T]" in tasks, "the module reads the ports with the same command"

@@ -41,6 +41,13 @@ RUN_VARS = {
 #: writes (become and SSH passwords only open the connection).
 SECRET_NAME = re.compile(r"pass(word|wd)?$|passphrase|secret|token|credential", re.I)
 SPEC_KINDS = ("paths", "listings", "services", "packages", "users", "groups", "mounts")
+#: Kinds that are on or off (library/converged_state.py reads them): ufw's rules, sshd's ports.
+FLAG_KINDS = ("ufw", "sshd")
+
+
+def flag(value) -> bool:
+    """A role's on/off value; a template may hand it over as the text "False"."""
+    return value.strip().lower() in ("true", "yes", "1") if isinstance(value, str) else bool(value)
 
 
 def source_files(root: Path) -> list[Path]:
@@ -105,19 +112,19 @@ def converged_inputs(hostvars: Mapping, groups: Mapping, ansible_version: str) -
 def converged_spec(watches: Iterable[Mapping]) -> dict:
     """The roles' watch lists, merged into one spec (each list sorted, without repeats)."""
     merged: dict = {kind: set() for kind in SPEC_KINDS}
-    ufw = False
+    flags = dict.fromkeys(FLAG_KINDS, False)
     for watch in watches:
         for kind, items in watch.items():
-            if kind == "ufw":
-                ufw = ufw or bool(items)
+            if kind in flags:
+                flags[kind] = flags[kind] or flag(items)
             elif kind in merged:
                 merged[kind].update(str(item) for item in items or [] if str(item))
             else:
                 raise ValueError(
-                    f"converged_spec: unknown kind {kind!r} (known: {', '.join(SPEC_KINDS)}, ufw)"
+                    f"converged_spec: unknown kind {kind!r} (known: {', '.join(SPEC_KINDS + FLAG_KINDS)})"
                 )
     spec: dict = {kind: sorted(items) for kind, items in merged.items()}
-    spec["ufw"] = ufw
+    spec.update(flags)
     return spec
 
 

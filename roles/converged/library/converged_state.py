@@ -19,6 +19,10 @@ Root reads paths an unprivileged user controls (the training user's ~/.ssh): eve
 from / one component at a time with O_NOFOLLOW, so a symlink planted anywhere in it is recorded as
 such and never followed; only regular files are opened (O_NONBLOCK: a FIFO cannot hang the read).
 The item kinds are fixed here: the record names paths and units, never a command to run.
+
+An item root cannot read (a home on NFS that squashes root, a systemd that does not answer) is never
+called converged: the probe cannot tell whether it changed, so it asks for a full run, in one line
+that names the item.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ options:
   spec:
     description: >-
       What to read (digest, record) - paths, listings, services, packages, users, groups, mounts
-      (lists of names) and ufw (bool).
+      (lists of names), ufw and sshd (bool: the ports `sshd -T` reports, which ssh_trust derives).
     type: dict
   state:
     description: The state the digest step returned for the same spec (record).
@@ -89,6 +93,10 @@ items:
 
 RECORD_VERSION = 1
 SPEC_KINDS = ("paths", "listings", "services", "packages", "users", "groups", "mounts")
+#: Kinds that are on or off: ufw's rule set, and the ports sshd listens on.
+FLAG_KINDS = ("ufw", "sshd")
+#: How a state read starts when root could not read the item: its state now is unknown.
+UNSEEN = ("unreadable", "unknown (")
 MAX_REASONS = 20
 COMMAND_TIMEOUT_S = 20
 
@@ -140,6 +148,8 @@ def read_at(path: str, read: Callable[[int, str], str]) -> str:
         return read(parent, name)
     except FileNotFoundError:
         return "absent"
+    except OSError as err:  # a file or directory in it root may not open (a home that squashes root)
+        return f"unreadable: {err.strerror}"
     finally:
         os.close(parent)
 
@@ -166,10 +176,10 @@ def listing(parent: int, name: str) -> str:
     """The sorted names in a directory (pip's dist-info dirs show which packages a venv holds)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
-    except FileNotFoundError:
-        raise
     except OSError as err:
-        return f"not a directory: {err.strerror}"
+        if err.errno in (errno.ENOTDIR, errno.ELOOP):
+            return f"not a directory: {err.strerror}"
+        raise  # absent or unreadable: read_at says which
     try:
         # __pycache__ comes and goes with whoever imports a top-level module: not a change.
         names = sorted(entry for entry in os.listdir(fd) if entry != "__pycache__")
@@ -262,6 +272,16 @@ def ufw_state() -> str:
     return f"exit {rc} sha256:{hashlib.sha256(out.encode()).hexdigest()}"
 
 
+def sshd_ports() -> str:
+    """The ports sshd listens on, in the order `sshd -T` gives them: ssh_trust reads the same command
+    to pick the port the other nodes dial (22 when it is one, else the first), so a port changed in
+    sshd's config changes what ssh_trust writes on every node."""
+    rc, out = run(["/usr/sbin/sshd", "-T"])
+    if rc != 0:
+        return f"sshd -T exit {rc}"
+    return " ".join(line.split()[1] for line in out.splitlines() if line.startswith("port "))
+
+
 def os_release() -> str:
     return path_state("/etc/os-release")
 
@@ -285,6 +305,8 @@ def read_state(spec: dict) -> dict[str, str]:
         state[f"mount {point}"] = value
     if spec.get("ufw"):
         state["ufw status"] = ufw_state()
+    if spec.get("sshd"):
+        state["sshd ports"] = sshd_ports()
     return state
 
 
@@ -295,13 +317,14 @@ def digest_of(state: dict[str, str]) -> str:
 def normal_spec(spec: dict | None) -> dict:
     """The spec with each list sorted and deduplicated: roles name some items twice."""
     spec = spec or {}
-    unknown = sorted(set(spec) - set(SPEC_KINDS) - {"ufw"})
+    unknown = sorted(set(spec) - set(SPEC_KINDS) - set(FLAG_KINDS))
     if unknown:
         raise ValueError(
-            f"unknown kinds in the watch spec: {', '.join(unknown)} (known: {', '.join(SPEC_KINDS)}, ufw)"
+            f"unknown kinds in the watch spec: {', '.join(unknown)}"
+            f" (known: {', '.join(SPEC_KINDS + FLAG_KINDS)})"
         )
     normal: dict = {kind: sorted({str(item) for item in spec.get(kind) or []}) for kind in SPEC_KINDS}
-    normal["ufw"] = bool(spec.get("ufw"))
+    normal.update({kind: bool(spec.get(kind)) for kind in FLAG_KINDS})
     return normal
 
 
@@ -368,7 +391,18 @@ def probe(params: dict) -> dict:
             "the inputs changed since the last full run (roles, trainer sources, wheelhouse or inventory)"
         )
     recorded = record.get("state") or {}
+    # What root cannot read now may have changed in any way (an authorized_keys deleted on a home
+    # that squashes root reads "unreadable" before and after): never converged, said in one line.
+    unseen = sorted(key for key, value in state.items() if value.startswith(UNSEEN))
+    if unseen:
+        more = f" and {len(unseen) - 1} more item{'s' if len(unseen) > 2 else ''}" if len(unseen) > 1 else ""
+        reasons.append(
+            f"root cannot read {unseen[0]} ({state[unseen[0]]}){more} here, so it cannot tell what"
+            " changed: every role runs while it cannot (a home on NFS that squashes root does this)"
+        )
     for key in sorted(set(state) | set(recorded)):
+        if key in unseen:
+            continue
         if state.get(key) != recorded.get(key):
             before, now = recorded.get(key, "not recorded"), state.get(key, "not read")
             reasons.append(f"{key}: {shorten(before)} -> {shorten(now)}")

@@ -1,0 +1,209 @@
+"""The converged skip never skips a fix a full run would make, on the bed (issue 26, item 2).
+
+Three ways it did: root could not read the training user's ~/.ssh (a home on NFS that squashes
+root), so every item there was recorded as unreadable and never compared again; ssh_trust derives
+each node's sshd port from `sshd -T`, which the record did not read, so a changed port left the
+other nodes' ssh config on the old one; and `--tags X` or `--check --diff` on a converged cluster ran
+no role at all. Each test changes a node the way a user (or NFS) would, runs site.yml with the
+converged check on (-e converged_full_run=false, as a user's inventory has it; the bed's inventory
+turns it off) and checks what the user would see: the roles run and put the node right.
+
+Every test starts with a full run (it writes the record the check compares with) and leaves the bed
+as it found it: what it changed on a node is undone, and a full run puts back anything a failure
+left behind.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from testbed_nodes import ENV, INVENTORY
+
+REPO = Path(__file__).resolve().parents[1]
+PLAYBOOK = str(Path(sys.executable).parent / "ansible-playbook")
+STATUS = Path("/tmp/clustertrain-testbed.status")
+SKIPPED = "and this run is made from the same inputs: the roles are skipped"
+RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
+CONVERGED_ON = ("-e", "converged_full_run=false")
+TRAINER_HOME = "/home/trainer"
+#: The node whose home reads as a home on NFS that squashes root reads to root: there the converged
+#: check's module (the probe, and the read the record is written from) runs without CAP_DAC_OVERRIDE
+#: and CAP_DAC_READ_SEARCH, so it cannot open what is inside the training user's 0700 ~/.ssh. Only
+#: that module: the roles' other root tasks touch root's own files and local disks, which root still
+#: reads where only the home is squashed (the login's temp dir, the head's export).
+SQUASHED_HOST = "ct-worker1"
+SQUASHED_PYTHON = "/usr/local/bin/clustertrain-test-squashed-python3"
+SQUASHED_PYTHON_TEXT = """#!/bin/sh
+# tests/test_converged_limits_testbed.py: the converged check's module runs as root without the
+# capabilities that let root read any file (as root on a home on NFS that squashes root).
+squashed() {
+  exec setpriv --inh-caps=-dac_override,-dac_read_search \\
+    --bounding-set=-dac_override,-dac_read_search /usr/bin/python3 "$@"
+}
+[ "$(id -u)" = 0 ] || exec /usr/bin/python3 "$@"
+if [ $# -gt 0 ]; then
+  case "$*" in *converged_state*) squashed "$@" ;; esac
+  exec /usr/bin/python3 "$@"
+fi
+module=$(cat)  # pipelining: the module comes on stdin
+case "$module" in
+  *converged_state*) printf '%s\\n' "$module" | squashed; exit $? ;;
+esac
+printf '%s\\n' "$module" | /usr/bin/python3
+"""
+#: A drop-in that makes ct-worker2's sshd listen on 22 besides the bed's 2222 (Ansible keeps coming
+#: in on 2222): ssh_trust then derives 22 for it, so the other nodes must stop dialling 2222.
+PORT_DROP_IN = "/etc/ssh/sshd_config.d/00-clustertrain-test-port.conf"
+
+pytestmark = [
+    pytest.mark.testbed,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (STATUS.exists() and STATUS.read_text().startswith("up")),
+        reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
+    ),
+]
+
+
+def site(*args: str, inventories: tuple[Path, ...] = ()) -> tuple[str, dict[str, tuple[int, int]]]:
+    """Run site.yml on the bed; its output and each host's (ok, changed) from the recap."""
+    sources = [arg for path in (INVENTORY, *inventories) for arg in ("-i", str(path))]
+    run = subprocess.run(
+        [PLAYBOOK, *sources, str(REPO / "site.yml"), *args],
+        capture_output=True,
+        text=True,
+        # json: the debug line with the reasons is printed on one line, never folded
+        env={
+            **ENV,
+            "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
+        },
+        cwd=REPO,
+        timeout=900,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    recap = {host: (int(ok), int(changed)) for host, ok, changed, _, _ in RECAP.findall(out)}
+    return out, recap
+
+
+def on_node(
+    host: str, script: str, user: str = "root", check: bool = True, stdin: str = ""
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["podman", "exec", "-i", "-u", user, host, "sh", "-euc", script],
+        input=stdin, capture_output=True, text=True, env=ENV, check=check, timeout=120,
+    )  # fmt: skip
+
+
+def role_tasks(out: str, role: str) -> int:
+    """How many of the role's tasks ran (its argument check runs in every run, tagged always)."""
+    return len(re.findall(rf"^TASK \[{role} : (?!Validating arguments against arg spec)", out, re.M))
+
+
+@pytest.fixture
+def full_run_after() -> Iterator[list[bool]]:
+    """Put the bed back with a full run at the end when the test says so (or fails before saying)."""
+    needed = [True]
+    yield needed
+    if needed[0]:
+        site()
+
+
+@pytest.fixture
+def squashed_inventory(tmp_path) -> Iterator[Path]:
+    """An inventory source that runs SQUASHED_HOST's modules through the squashed Python.
+
+    Given after the bed's inventory: its hosts keep their variables (inventory_dir included, which
+    the wheelhouse's path is found from) and the host gains only the interpreter, which is not one
+    of the converged check's inputs (an ansible_* variable that decides nothing a role writes).
+    """
+    install = f"cat > {SQUASHED_PYTHON} && chmod 0755 {SQUASHED_PYTHON}"
+    on_node(SQUASHED_HOST, install, stdin=SQUASHED_PYTHON_TEXT)
+    extra = tmp_path / "squashed.yml"
+    squashed = {SQUASHED_HOST: {"ansible_python_interpreter": SQUASHED_PYTHON}}
+    extra.write_text(yaml.safe_dump({"all": {"hosts": squashed}}))
+    try:
+        yield extra
+    finally:
+        on_node(SQUASHED_HOST, f"rm -f {SQUASHED_PYTHON}")
+
+
+def test_an_unreadable_ssh_dir_makes_a_full_run_that_restores_authorized_keys(
+    squashed_inventory, full_run_after
+):
+    # The control: the squashed root really cannot read the training user's SSH files.
+    read_key = f"open('{TRAINER_HOME}/.ssh/id_ed25519.pub')  # converged_state"
+    denied = on_node(SQUASHED_HOST, f'{SQUASHED_PYTHON} -c "{read_key}"', check=False)
+    assert "PermissionError" in denied.stderr, denied.stderr
+    # A full run: the roles write ~/.ssh as the training user; the record keeps what root could read.
+    out, _ = site("-e", "converged_full_run=true", inventories=(squashed_inventory,))
+    assert "TASK [converged : Record it, with the cluster digest, root-only on each node]" in out
+
+    # What NFS would not show root: the cluster key removed from the worker's authorized_keys.
+    on_node(SQUASHED_HOST, f"rm {TRAINER_HOME}/.ssh/authorized_keys", user="trainer")
+    login = on_node("ct-head", f"ssh -o BatchMode=yes {SQUASHED_HOST} true", user="trainer", check=False)
+    assert login.returncode != 0, "the head's login to the worker needs authorized_keys"
+
+    out, _ = site(*CONVERGED_ON, inventories=(squashed_inventory,))
+    assert SKIPPED not in out, "a node whose ~/.ssh root cannot read is never called converged"
+    cannot_read = re.findall(rf"root cannot read [^;]*path {TRAINER_HOME}/\.ssh\b", out)
+    assert len(cannot_read) == 1, f"said once, naming the item: {cannot_read}\n{out[-4000:]}"
+    assert role_tasks(out, "ssh_trust") > 0
+    on_node("ct-head", f"ssh -o BatchMode=yes {SQUASHED_HOST} true", user="trainer")  # works again
+    full_run_after[0] = False  # that full run put the worker right; the wrapper goes with its fixture
+
+
+def port_ct_worker2_is_dialled_on() -> str:
+    """The port ssh on the head uses for ct-worker2 (ssh -G: the client's settings, no connection)."""
+    settings = on_node("ct-head", "ssh -G ct-worker2", user="trainer").stdout
+    return re.search(r"^port (\d+)$", settings, re.M).group(1)
+
+
+def test_a_changed_sshd_port_makes_a_full_run_that_moves_the_other_nodes(full_run_after):
+    site("-e", "converged_full_run=true")
+    assert port_ct_worker2_is_dialled_on() == "2222"
+
+    # ct-worker2's sshd also on 22 (Ansible keeps coming in on 2222): ssh_trust now derives 22 for
+    # it, so the other nodes must dial 22. Undone as soon as the run has been checked.
+    on_node("ct-worker2", f"echo 'Port 22' > {PORT_DROP_IN} && systemctl restart ssh")
+    try:
+        out, _ = site(*CONVERGED_ON)
+        assert SKIPPED not in out, "the port ssh_trust derives for ct-worker2 changed"
+        # ct-worker2's reasons come last in the verdict; the inputs may have changed too (a checkout
+        # being edited), so the port is looked for among them, not first.
+        verdict = re.search(r"ct-worker2: .*sshd ports: 2222 -> (22 2222|2222 22)\b", out)
+        assert verdict, re.findall(r"Every role runs.*", out)
+        assert port_ct_worker2_is_dialled_on() == "22", "the head's ssh config follows the new port"
+        # its host key is pinned for 22 too: the login goes through
+        on_node("ct-head", "ssh -o BatchMode=yes ct-worker2 true", user="trainer")
+    finally:
+        on_node("ct-worker2", f"rm -f {PORT_DROP_IN} && systemctl restart ssh")
+    # The bed as it was: sshd on 2222 only, and the other nodes dialling 2222 again.
+    full_run_after[0] = False
+    site()
+    assert port_ct_worker2_is_dialled_on() == "2222"
+
+
+def test_targeted_runs_on_a_converged_cluster_run_their_roles():
+    site("-e", "converged_full_run=true")
+    out, _ = site(*CONVERGED_ON)
+    assert SKIPPED in out, "the control: a plain run of the untouched cluster is skipped"
+
+    # A targeted run is what a user reaches for after a change the record does not watch.
+    out, recap = site(*CONVERGED_ON, "--tags", "ssh_trust")
+    assert role_tasks(out, "ssh_trust") > 0, "--tags ssh_trust runs ssh_trust"
+    assert role_tasks(out, "timesync") == 0
+    assert {host for host, (_, changed) in recap.items() if changed} == set(), recap
+
+    out, _ = site(*CONVERGED_ON, "--check", "--diff")
+    for role in ("users", "ssh_trust", "timesync", "firewall", "nfs_server", "nfs_client", "trainer_env"):
+        assert role_tasks(out, role) > 0, f"--check --diff checks {role}"
+    assert "the roles are skipped" not in out
