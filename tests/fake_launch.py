@@ -14,49 +14,15 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import yaml
+import loopback
 
-REPO = Path(__file__).resolve().parents[1]
-VENV = REPO / ".venv"
 #: What node_ctl.py finds a launch's processes by (TAG_VARIABLE there).
 TAG_VARIABLE = "CLUSTERTRAIN_LAUNCH_ID"
 
 
 def one_node_cluster(tmp_path: Path) -> tuple[Path, Path]:
     """(inventory, shared dir) of this machine as a one-node cluster, the training user this account."""
-    inventory = tmp_path / "inventory"
-    (inventory / "group_vars" / "cluster").mkdir(parents=True)
-    hosts = {
-        "cluster": {
-            "children": {
-                "head": {
-                    "hosts": {
-                        "node0": {
-                            "ansible_connection": "local",
-                            "ansible_python_interpreter": "{{ ansible_playbook_python }}",
-                            "cluster_ip": "127.0.0.1",
-                            "cluster_accelerators": 0,
-                            "cluster_accelerator_model": "cpu",
-                        }
-                    }
-                },
-                "workers": {"hosts": {}},
-            }
-        }
-    }
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
-    shared = tmp_path / "shared"
-    settings = {
-        "cluster_training_user": subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip(),
-        "cluster_shared_dir": str(shared),
-        "cluster_data_path": "",
-        "training_venv": str(VENV),
-        "training_procs_per_node": 1,
-        "training_engine": "ddp",
-        "training_config": "",
-    }
-    (inventory / "group_vars" / "cluster" / "all.yml").write_text(yaml.safe_dump(settings))
-    return inventory, shared
+    return loopback.write_inventory(tmp_path, nodes=1)
 
 
 def fake_launch(shared: Path, run_name: str, log_text: str) -> SimpleNamespace:

@@ -14,7 +14,8 @@ import os
 import sys
 
 import pytest
-from fake_launch import REPO, fake_launch, one_node_cluster, trainer
+from fake_launch import fake_launch, one_node_cluster, trainer
+from loopback import REPO
 
 NODE_PROGRAM = REPO / "trainer" / "controller" / "launcher" / "playbooks" / "templates" / "node_ctl.py"
 #: The planting account: not the one the helper runs as.
