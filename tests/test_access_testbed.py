@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import yaml
 from health_webhook_server import WebhookServer
+from testbed_nodes import BED_TEST
 
 REPO = Path(__file__).resolve().parents[1]
 INVENTORY = REPO / "molecule" / "default" / "inventory"
-STATUS = Path("/tmp/clustertrain-testbed.status")
 ACCESS = Path("/var/tmp/clustertrain-testbed/access")
 BECOME_PASSWORD_FILE = ACCESS / "become-password"
 ENV = {**os.environ, "CONTAINERS_CONF": str(REPO / "scripts" / "testbed" / "containers.conf")}
@@ -46,14 +46,7 @@ TEST_SETS = (
     "distributed.timeout_s=120",
 )
 
-pytestmark = [
-    pytest.mark.testbed,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (STATUS.exists() and STATUS.read_text().startswith("up")),
-        reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
-    ),
-]
+pytestmark = BED_TEST
 
 
 def group_vars() -> dict:

@@ -17,19 +17,15 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from testbed_nodes import ENV, INVENTORY
+from testbed_nodes import BED_TEST, ENV, site
 
 REPO = Path(__file__).resolve().parents[1]
-PLAYBOOK = str(Path(sys.executable).parent / "ansible-playbook")
-STATUS = Path("/tmp/clustertrain-testbed.status")
 SKIPPED = "and this run is made from the same inputs: the roles are skipped"
-RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
 CONVERGED_ON = ("-e", "converged_full_run=false")
 TRAINER_HOME = "/home/trainer"
 #: The node whose home reads as a home on NFS that squashes root reads to root: there the converged
@@ -61,37 +57,7 @@ printf '%s\\n' "$module" | /usr/bin/python3
 #: in on 2222): ssh_trust then derives 22 for it, so the other nodes must stop dialling 2222.
 PORT_DROP_IN = "/etc/ssh/sshd_config.d/00-clustertrain-test-port.conf"
 
-pytestmark = [
-    pytest.mark.testbed,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (STATUS.exists() and STATUS.read_text().startswith("up")),
-        reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",
-    ),
-]
-
-
-def site(*args: str, inventories: tuple[Path, ...] = ()) -> tuple[str, dict[str, tuple[int, int]]]:
-    """Run site.yml on the bed; its output and each host's (ok, changed) from the recap."""
-    sources = [arg for path in (INVENTORY, *inventories) for arg in ("-i", str(path))]
-    run = subprocess.run(
-        [PLAYBOOK, *sources, str(REPO / "site.yml"), *args],
-        capture_output=True,
-        text=True,
-        # json: the debug line with the reasons is printed on one line, never folded
-        env={
-            **ENV,
-            "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
-            "ANSIBLE_NOCOLOR": "1",
-            "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
-        },
-        cwd=REPO,
-        timeout=900,
-    )
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-4000:]
-    recap = {host: (int(ok), int(changed)) for host, ok, changed, _, _ in RECAP.findall(out)}
-    return out, recap
+pytestmark = BED_TEST
 
 
 def on_node(

@@ -12,42 +12,18 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_launch_testbed import BED_UP, ENV, INVENTORY
+from test_launch_testbed import BED_UP, ENV
+from testbed_nodes import site
 
 REPO = Path(__file__).resolve().parents[1]
-PLAYBOOK = str(Path(sys.executable).parent / "ansible-playbook")
 HOST = "ct-worker2"
 CHRONY_CONF = "/etc/chrony/chrony.conf"
 SKIPPED = "and this run is made from the same inputs: the roles are skipped"
-RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
-
-
-def site(*args: str) -> tuple[str, dict[str, tuple[int, int]]]:
-    """Run site.yml on the bed; its output and each host's (ok, changed) from the recap."""
-    run = subprocess.run(
-        [PLAYBOOK, "-i", str(INVENTORY), str(REPO / "site.yml"), *args],
-        capture_output=True,
-        text=True,
-        # json: the debug line with the reasons is printed on one line, never folded
-        env={
-            **ENV,
-            "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
-            "ANSIBLE_NOCOLOR": "1",
-            "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
-        },
-        cwd=REPO,
-        timeout=900,
-    )
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-4000:]
-    recap = {host: (int(ok), int(changed)) for host, ok, changed, _, _ in RECAP.findall(out)}
-    return out, recap
 
 
 def on_host(script: str) -> str:

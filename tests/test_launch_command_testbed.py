@@ -9,7 +9,6 @@ on the shared dir that the training user owns. Each test's run and working dir a
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_launch_testbed import BED_UP, ENV, HOSTS, INVENTORY, group_vars, run_launch
+from testbed_nodes import own_like
 
 OWN_COMMAND = Path(__file__).resolve().parent / "own_command"
 #: A master port of its own (test_launch_testbed uses 29541, preflight's tests others).
@@ -40,9 +40,7 @@ def testbed(tmp_path):
     workdir = shared / f"code-{tag}"
     shutil.copytree(OWN_COMMAND, workdir)
     (workdir / "data.json").write_text(json.dumps([[x / 10, 3 * x / 10 + 1] for x in range(40)]))
-    owner = shared.stat()
-    for path in [workdir, *workdir.rglob("*")]:
-        os.chown(path, owner.st_uid, owner.st_gid)
+    own_like(workdir, shared)
     inventory = tmp_path / "inventory"
     shutil.copytree(INVENTORY, inventory)
     overrides = {

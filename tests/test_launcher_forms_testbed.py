@@ -12,7 +12,6 @@ only (test_launcher_forms_local, test_world_check): the bed's time in CI is the 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import uuid
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_launch_testbed import BED_UP, HOSTS, INVENTORY, group_vars, run_launch
+from testbed_nodes import own_like
 
 FORMS = Path(__file__).resolve().parent / "world_forms"
 #: A master port of its own (other testbed tests use 29541, 29543, 29547).
@@ -38,9 +38,7 @@ def testbed(tmp_path):
     tag = uuid.uuid4().hex[:8]
     workdir = shared / f"forms-{tag}"
     shutil.copytree(FORMS, workdir)
-    owner = shared.stat()
-    for path in [workdir, *workdir.rglob("*")]:
-        os.chown(path, owner.st_uid, owner.st_gid)
+    own_like(workdir, shared)
     inventory = tmp_path / "inventory"
     shutil.copytree(INVENTORY, inventory)
     overrides = {

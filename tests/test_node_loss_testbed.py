@@ -13,7 +13,6 @@ again.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testbed_nodes import BED_TEST, INVENTORY, LauncherOutput, lost_node, restore_node
+from testbed_nodes import BED_TEST, INVENTORY, LauncherOutput, lost_node, own_like, restore_node
 
 pytestmark = BED_TEST
 #: A master port of this file's own, inside the firewall's comm range (the other bed tests use theirs).
@@ -153,9 +152,7 @@ def test_a_killed_worker_node_is_left_out_and_the_survivors_finish_like_a_run_st
     (reference / "checkpoints").mkdir(parents=True)
     shutil.copytree(run / "checkpoints" / resumed_from, reference / "checkpoints" / resumed_from)
     (reference / "checkpoints" / "latest").write_text(resumed_from + "\n")
-    owner = run.stat()  # the training account's, as every run dir on the shared dir
-    for path in [reference, *reference.rglob("*")]:
-        os.chown(path, owner.st_uid, owner.st_gid)
+    own_like(reference, run)  # the training account's, as every run dir on the shared dir
     again = LauncherOutput.start(
         launch(
             inventory_for(tmp_path, engine, without=VICTIM),

@@ -25,6 +25,7 @@ import contextlib
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -42,6 +43,9 @@ ACCESS = Path("/var/tmp/clustertrain-testbed/access")
 ENV = {**os.environ, "CONTAINERS_CONF": str(REPO / "scripts" / "testbed" / "containers.conf")}
 HEAD = "ct-head"
 STATUS = Path("/tmp/clustertrain-testbed.status")
+PLAYBOOK = str(Path(sys.executable).parent / "ansible-playbook")
+#: A host's line of ansible-playbook's recap.
+RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
 #: The marks of a test-bed test module: `pytestmark = BED_TEST`.
 BED_TEST = [
     pytest.mark.testbed,
@@ -319,3 +323,36 @@ def node_usable(host: str) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def site(*args: str, inventories: tuple[Path, ...] = ()) -> tuple[str, dict[str, tuple[int, int]]]:
+    """Run site.yml on the bed (its inventory, then `inventories` over it); its output and each host's
+    (ok, changed) from the recap. A failing run fails the test with the output's end."""
+    sources = [arg for path in (INVENTORY, *inventories) for arg in ("-i", str(path))]
+    run = subprocess.run(
+        [PLAYBOOK, *sources, str(REPO / "site.yml"), *args],
+        capture_output=True,
+        text=True,
+        # json: the debug line with the reasons is printed on one line, never folded
+        env={
+            **ENV,
+            "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
+        },
+        cwd=REPO,
+        timeout=900,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    recap = {host: (int(ok), int(changed)) for host, ok, changed, _, _ in RECAP.findall(out)}
+    return out, recap
+
+
+def own_like(tree: Path, owner: Path) -> None:
+    """Give `tree` (a dir the test wrote on the shared dir, as root) and everything in it to the
+    account that owns `owner` (the shared dir, a run dir: the training account), so the nodes' trainer
+    can read and write it as it would its own."""
+    stat = owner.stat()
+    for path in [tree, *tree.rglob("*")]:
+        os.chown(path, stat.st_uid, stat.st_gid)
