@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from trainer.configerror import ConfigError
 from trainer.node.hf import dataset
 from trainer.node.hf.model import check_source, load_model_config, load_tokenizer, pad_token_id
-from trainer.node.hf.packing import Rows, one_per_row, pack
+from trainer.node.hf.packing import Rows, one_per_row
+from trainer.node.hf.training_data import build_training_data
 
 if TYPE_CHECKING:
     import torch
@@ -65,71 +66,20 @@ class FineTune:
         tokenizer = load_tokenizer(config.model, source)
         notes = []
         target_modules = _check_lora(config, model_config) if config.lora.enabled else None
-        data = config.data
-        tokenized = dataset.tokenize(
-            tokenizer,
-            data.path,
-            data_format=data.format,
-            max_length=config.model.max_length,
-            overlong=data.overlong,
-        )
-        if tokenized.template_note:
-            notes.append(tokenized.template_note)
-        notes.append(
-            tokenized.summary(data.path or "the bundled text", config.model.max_length, data.overlong)
-        )
-        train, held_out = tokenized.samples, None
-        if data.eval_path:
-            evaluated = dataset.tokenize(
-                tokenizer,
-                data.eval_path,
-                data_format=tokenized.data_format,
-                max_length=config.model.max_length,
-                overlong=data.overlong,
-                key="data.eval_path",
-            )
-            notes.append("eval " + evaluated.summary(data.eval_path, config.model.max_length, data.overlong))
-            held_out = evaluated.samples
-        elif data.eval_fraction > 0:
-            train, held_out = dataset.split_eval(train, data.eval_fraction, config.train.seed)
-        if len(train) == 0:
-            summary = tokenized.summary(data.path, config.model.max_length, data.overlong)
-            raise ConfigError("data.path", f"no sample is left to train on ({summary})")
-        if data.packing:
-            rows = pack(train.lengths(), config.model.max_length)
-            fill = train.lengths().sum() / (len(rows) * config.model.max_length)
-            notes.append(
-                f"packing: {len(train)} samples into {len(rows)} rows of up to {config.model.max_length} "
-                f"tokens ({fill:.0%} full)"
-            )
-        else:
-            rows = one_per_row(len(train))
-        facts = {
-            "path": data.path or "pydoc_data.topics (bundled)",
-            "format": tokenized.data_format,
-            "records": tokenized.records,
-            "samples": len(train),
-            "rows": len(rows),
-            "tokens": int(train.lengths().sum()),
-            "trained_tokens": int(train.label_counts().sum()),
-            "truncated": tokenized.truncated,
-            "dropped": tokenized.dropped_overlong + tokenized.dropped_untrained,
-            "eval_samples": len(held_out) if held_out is not None else 0,
-            "packing": data.packing,
-            "max_length": config.model.max_length,
-        }
+        data = build_training_data(config, tokenizer)
+        notes.extend(data.notes)
         return cls(
             config=config,
             source=source,
             tokenizer=tokenizer,
             model_config=model_config,
-            train=train,
-            eval=held_out if held_out is not None and len(held_out) else None,
-            rows=rows,
+            train=data.train,
+            eval=data.eval,
+            rows=data.rows,
             target_modules=target_modules,
             notes=notes,
-            facts=facts,
-            identity=_identity(source, tokenizer, data.path),
+            facts=data.facts,
+            identity=_identity(source, tokenizer, config.data.path),
         )
 
     def parameter_counts(self) -> tuple[int, int]:
