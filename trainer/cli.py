@@ -53,6 +53,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "trainer.node.hf.export",
         "a Hugging Face model directory from a fine-tuning run or checkpoint",
     ),
+    "push": (
+        "trainer.controller.push",
+        "copy a model or dataset onto the cluster's shared dir (resumable, checked); prints its config path",
+    ),
     "report": ("trainer.node.report", "draw a run's curves (loss, lr, tokens/s, step time) as PNG files"),
 }
 
