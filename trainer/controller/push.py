@@ -40,7 +40,7 @@ from trainer.controller.rsync_to_host import (
 )
 
 EXAMPLES = (
-    "trainer push -i inventory/mycluster ~/models/Qwen2.5-0.5B-Instruct  # -> <shared>/models/Qwen2.5-0.5B-Instruct",
+    "trainer push -i inventory/mycluster ~/models/Qwen2.5-0.5B  # -> <shared>/models/Qwen2.5-0.5B",
     "trainer push -i inventory/mycluster ./chats.jsonl support-chats  # -> <shared>/datasets/support-chats",
     "trainer push -i inventory/mycluster ./tokenized --kind data --bwlimit 50000  # at most 50 MB/s",
 )
@@ -173,8 +173,8 @@ def check_request(args: argparse.Namespace) -> Request:
     user = str(head.get("cluster_training_user") or "")
     if not shared.startswith("/") or not user:
         raise PushError(
-            f"inventory {args.inventory}: the head {head.name} needs cluster_shared_dir (an absolute path) and "
-            "cluster_training_user: set them in group_vars/cluster (storage.yml, cluster.yml)"
+            f"inventory {args.inventory}: the head {head.name} needs cluster_shared_dir (an absolute path) "
+            "and cluster_training_user: set them in group_vars/cluster (storage.yml, cluster.yml)"
         )
     destination = str(PurePosixPath(shared) / kind.subdir / name)
     return Request(source, name, kind, destination, target_for(head, user), files, size)
