@@ -173,3 +173,53 @@ def test_targeted_runs_on_a_converged_cluster_run_their_roles():
     for role in ("users", "ssh_trust", "timesync", "firewall", "nfs_server", "nfs_client", "trainer_env"):
         assert role_tasks(out, role) > 0, f"--check --diff checks {role}"
     assert "the roles are skipped" not in out
+
+
+def ufw_rules_in_kernel(host: str) -> str:
+    return on_node(host, "iptables -S ufw-user-input | grep -c '^-A' || true").stdout.strip()
+
+
+def test_a_flushed_kernel_and_a_rule_added_by_hand_make_a_full_run_that_puts_the_firewall_right(
+    full_run_after,
+):
+    site("-e", "converged_full_run=true")
+    rules_in_kernel = ufw_rules_in_kernel("ct-worker1")
+    assert int(rules_in_kernel) >= 3, "the control: SSH and the cluster's rules are in the kernel"
+
+    # ct-worker1: the rules flushed with iptables behind ufw's back (ufw's status, read from its
+    # files, still lists them). ct-worker2: a port opened to the world by hand, and a deny rule.
+    on_node("ct-worker1", "iptables -F ufw-user-input")
+    assert "8888" not in on_node("ct-worker2", "ufw show added").stdout
+    on_node("ct-worker2", "ufw allow 8888/tcp comment 'by hand' && ufw deny 23")
+    try:
+        out, _ = site(*CONVERGED_ON)
+        assert SKIPPED not in out
+        verdict = re.search(r"ct-worker1: [^.]*kernel firewall: iptables-save exit 0: \d+ lines", out)
+        assert verdict, re.findall(r"Every role runs.*", out)
+        assert "firewall: ufw-user-input: " in out and "0 in the kernel (iptables): reloading ufw" in out
+        assert ufw_rules_in_kernel("ct-worker1") == rules_in_kernel, "ufw reloaded its rules"
+        added = on_node("ct-worker2", "ufw show added").stdout
+        assert "8888" not in added, "the port opened by hand is closed"
+        assert "ufw deny 23" in added, "a deny rule only narrows what is open: kept"
+        assert "(item=ufw allow 8888/tcp comment 'by hand')" in out, "the removed rule is named"
+    finally:
+        on_node("ct-worker2", "ufw delete deny 23", check=False)
+    # That run recorded the nodes as it left them, deny rule included; without it the next plain run
+    # is a full one again, and a full run of a right firewall changes nothing.
+    out, _ = site(*CONVERGED_ON)
+    assert SKIPPED not in out
+    record = "converged : Record it, with the cluster digest, root-only on each node"
+    assert changed_tasks(out) <= {record}, out[-3000:]
+    full_run_after[0] = False
+
+
+def changed_tasks(out: str) -> set[str]:
+    """The tasks that reported a change on some host (`changed: [host]` under their TASK line)."""
+    changed, task = set(), ""
+    for line in out.splitlines():
+        header = re.match(r"^TASK \[(.*)\]", line)
+        if header:
+            task = header.group(1)
+        elif line.startswith("changed: ["):
+            changed.add(task)
+    return changed

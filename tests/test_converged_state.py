@@ -245,3 +245,26 @@ def test_probe_changes_nothing_in_check_mode(node):
     seen = module(node["tmp"], mode="probe", path=node["record"], inputs="x", _ansible_check_mode=True)
     assert seen["converged"] is False
     assert not Path(node["record"]).parent.exists()
+
+
+def test_a_huge_file_is_not_hashed_and_makes_a_full_run(node):
+    """A file far larger than any a role writes (the training user can put one in ~/.ssh) would hold
+    up root's probe at every run: it is reported unreadable, by size, without being read."""
+    huge = node["etc"] / "authorized_keys"
+    with open(huge, "wb") as handle:
+        handle.truncate(64 << 30)  # 64 GiB, sparse: reading it would take minutes
+    node["spec"]["paths"].append(str(huge))
+    record(node)
+    seen = probe(node)
+    assert seen["converged"] is False
+    assert seen["reasons"][0].startswith(
+        f"root cannot read path {huge} (unreadable: {64 << 30} bytes, more than the 16777216 the probe hashes)"
+    ), seen["reasons"]
+
+
+def test_items_left_when_the_read_budget_runs_out_are_unknown(node):
+    record(node)
+    seen = module(node["tmp"], mode="probe", path=node["record"], inputs="inputs-1", read_budget_s=0)
+    assert seen["converged"] is False
+    assert "the probe's 0 s budget ran out before it" in seen["reasons"][0], seen["reasons"]
+    assert probe(node)["converged"] is True, "with its budget the same node is converged"

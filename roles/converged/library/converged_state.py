@@ -68,6 +68,12 @@ options:
   cluster_digest:
     description: The digest of every node's state and the inputs, the same on every node (record).
     type: str
+  read_budget_s:
+    description: >-
+      Seconds the read of the items may take (probe, digest); the items left after it are unknown,
+      which makes the run a full one. Files larger than 16 MiB are not hashed (unreadable: a full run).
+    type: float
+    default: 60
 """
 
 RETURN = r"""
@@ -99,6 +105,13 @@ FLAG_KINDS = ("ufw", "sshd")
 UNSEEN = ("unreadable", "unknown (")
 MAX_REASONS = 20
 COMMAND_TIMEOUT_S = 20
+#: The largest file the probe hashes. The files the roles manage are a few KiB; a larger one (a huge
+#: file the training user put in ~/.ssh) would hold up every run's probe, so it is reported unreadable
+#: (a full run) instead of read.
+MAX_HASHED_BYTES = 16 << 20
+#: The whole read's time budget: past it, the items left are unknown (a full run), so a slow disk or
+#: a stalled NFS home cannot stall the run's first step.
+READ_BUDGET_S = 60.0
 
 
 # --- paths, read without following a link --------------------------------------------------------
@@ -164,10 +177,16 @@ def entry_state(parent: int, name: str) -> str:
     if not stat.S_ISREG(st.st_mode):
         kinds = {stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFCHR: "char", stat.S_IFBLK: "block"}
         return f"{kinds.get(stat.S_IFMT(st.st_mode), 'special')} {owner}"
+    if st.st_size > MAX_HASHED_BYTES:
+        return f"unreadable: {st.st_size} bytes, more than the {MAX_HASHED_BYTES} the probe hashes"
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
     with os.fdopen(fd, "rb") as handle:
         digest = hashlib.sha256()
+        read = 0
         for chunk in iter(lambda: handle.read(1 << 20), b""):
+            read += len(chunk)
+            if read > MAX_HASHED_BYTES:  # it grew while being read
+                return f"unreadable: grew past the {MAX_HASHED_BYTES} bytes the probe hashes"
             digest.update(chunk)
     return f"file {owner} sha256:{digest.hexdigest()}"
 
@@ -272,6 +291,24 @@ def ufw_state() -> str:
     return f"exit {rc} sha256:{hashlib.sha256(out.encode()).hexdigest()}"
 
 
+def kernel_firewall_state() -> str:
+    """The filter rules the kernel holds now (iptables-save and ip6tables-save read them through
+    whichever backend, legacy or nft), counters left out. ufw's status is read from its files and a
+    running chain's presence, so rules flushed with iptables or nft behind ufw's back only show here."""
+    parts = []
+    for command in ("iptables-save", "ip6tables-save"):
+        rc, out = run([command, "-t", "filter"])
+        rules = [
+            line.split(" [", 1)[0] if line.startswith(":") else line
+            for line in out.splitlines()
+            if line and not line.startswith("#")
+        ]
+        parts.append(f"{command} exit {rc}: {len(rules)} lines")
+        parts.append("\n".join(rules))
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return f"{parts[0]}, {parts[2]} sha256:{digest}"
+
+
 def sshd_ports() -> str:
     """The ports sshd listens on, in the order `sshd -T` gives them: ssh_trust reads the same command
     to pick the port the other nodes dial (22 when it is one, else the first), so a port changed in
@@ -286,27 +323,35 @@ def os_release() -> str:
     return path_state("/etc/os-release")
 
 
-def read_state(spec: dict) -> dict[str, str]:
-    """Every item the spec names -> its state now, as one flat, comparable map."""
+def read_state(spec: dict, budget_s: float = READ_BUDGET_S) -> dict[str, str]:
+    """Every item the spec names -> its state now, as one flat, comparable map. Items left when the
+    time budget runs out are "unknown (...)": the probe then asks for a full run."""
+    deadline = time.monotonic() + budget_s
     state = {"os-release": os_release()}
-    for path in spec.get("paths") or []:
-        state[f"path {path}"] = path_state(path)
-    for path in spec.get("listings") or []:
-        state[f"listing {path}"] = listing_state(path)
-    for unit, value in services_state(list(spec.get("services") or [])).items():
-        state[f"service {unit}"] = value
-    for name, value in packages_state(list(spec.get("packages") or [])).items():
-        state[f"package {name}"] = value
-    for name in spec.get("users") or []:
-        state[f"user {name}"] = user_state(name)
-    for name in spec.get("groups") or []:
-        state[f"group {name}"] = group_state(name)
-    for point, value in mounts_state(list(spec.get("mounts") or [])).items():
-        state[f"mount {point}"] = value
+    reads: list[tuple[str, Callable[[], object]]] = [
+        *((f"path {path}", lambda path=path: path_state(path)) for path in spec.get("paths") or []),
+        *((f"listing {path}", lambda path=path: listing_state(path)) for path in spec.get("listings") or []),
+        ("services", lambda: services_state(list(spec.get("services") or []))),
+        ("packages", lambda: packages_state(list(spec.get("packages") or []))),
+        *((f"user {name}", lambda name=name: user_state(name)) for name in spec.get("users") or []),
+        *((f"group {name}", lambda name=name: group_state(name)) for name in spec.get("groups") or []),
+        ("mounts", lambda: mounts_state(list(spec.get("mounts") or []))),
+    ]
     if spec.get("ufw"):
-        state["ufw status"] = ufw_state()
+        reads.append(("ufw status", ufw_state))
+        reads.append(("kernel firewall", kernel_firewall_state))
     if spec.get("sshd"):
-        state["sshd ports"] = sshd_ports()
+        reads.append(("sshd ports", sshd_ports))
+    for key, read in reads:
+        if time.monotonic() > deadline:
+            state[key] = f"unknown (the probe's {budget_s:.0f} s budget ran out before it)"
+            continue
+        value = read()
+        if isinstance(value, dict):  # one call for many items: services, packages, mounts
+            prefix = {"services": "service", "packages": "package", "mounts": "mount"}[key]
+            state.update({f"{prefix} {name}": item for name, item in value.items()})
+        else:
+            state[key] = str(value)
     return state
 
 
@@ -384,7 +429,7 @@ def probe(params: dict) -> dict:
     record, why = load_record(params["path"])
     if record is None:
         return {"converged": False, "reasons": [why], "host_digest": "", "cluster_digest": "", "items": 0}
-    state = read_state(record.get("spec") or {})
+    state = read_state(record.get("spec") or {}, params.get("read_budget_s", READ_BUDGET_S))
     reasons = []
     if record.get("inputs") != params["inputs"]:
         reasons.append(
@@ -430,6 +475,7 @@ def main() -> None:
             "inputs": {"type": "str"},
             "cluster_digest": {"type": "str"},
             "state": {"type": "dict"},
+            "read_budget_s": {"type": "float", "default": READ_BUDGET_S},
         },
         required_if=[
             ("mode", "probe", ["inputs"]),
@@ -446,7 +492,7 @@ def main() -> None:
     except ValueError as err:
         module.fail_json(msg=str(err))
     if params["mode"] == "digest":
-        state = read_state(spec)
+        state = read_state(spec, params["read_budget_s"])
         module.exit_json(changed=False, state=state, host_digest=digest_of(state), items=len(state))
     # The state the digest step read a moment ago: the cluster digest was made from it.
     state = {str(key): str(value) for key, value in params["state"].items()}

@@ -8,7 +8,12 @@
                                                             then (a stopped DeepSpeed job's), with
                                                             the training venv's python
 
-Processes are matched by their environment, not their name, so only preflight's own are touched.
+Processes are matched by their environment, not their name, so only preflight's own are touched,
+and only this account's own: each account's pass ends the processes preflight started as it (the
+login's listener and iperf3 servers; the training user's probes), so no account ever signals a
+process another account controls (the token is on Ansible's command lines, which `ps` shows to
+every account: anyone could tag a process with it). Signals go through a pidfd opened before the
+process is read, so a pid reused in between is never signalled.
 """
 
 import argparse
@@ -21,34 +26,60 @@ import sys
 import time
 
 
+def own_uid(pid):
+    """The process's real uid (/proc/PID/status), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def marked(marker):
+    """pidfds of this account's processes whose environment holds marker (NAME=TOKEN)."""
     wanted = marker.encode()
-    found = []
+    found = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in (os.getpid(), os.getppid()):
             continue
+        pid = int(entry)
         try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if wanted in handle.read().split(b"\0"):
-                    found.append(int(entry))
+            pidfd = os.pidfd_open(pid)  # holds this very process from here on
         except OSError:
             continue
+        keep = False
+        try:
+            if own_uid(pid) == os.getuid():
+                with open(f"/proc/{entry}/environ", "rb") as handle:
+                    keep = wanted in handle.read().split(b"\0")
+        except OSError:
+            pass
+        if keep:
+            found[pid] = pidfd
+        else:
+            os.close(pidfd)
     return found
 
 
 def end(marker, grace_s=3.0):
     killed = []
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = [pid for pid in marked(marker) if pid not in (os.getpid(), os.getppid())]
-        if not pids:
+        found = marked(marker)
+        if not found:
             break
-        for pid in pids:
+        for pid, pidfd in found.items():
             with contextlib.suppress(OSError):
-                os.kill(pid, sig)
+                # The process read above, or nothing (ESRCH) if it ended since: never a reused pid.
+                signal.pidfd_send_signal(pidfd, sig)
                 killed.append(pid)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in found):
             time.sleep(0.1)
+        for pidfd in found.values():
+            os.close(pidfd)
     return sorted(set(killed))
 
 
@@ -60,9 +91,8 @@ def main():
     parser.add_argument("--locks-newer-than", default="")
     args = parser.parse_args()
     out = {"killed": [], "removed_files": [], "removed_locks": [], "error": ""}
-    if not args.shared_dir:
-        out["killed"] = end(f"{args.marker}={args.token}")
-    else:
+    out["killed"] = end(f"{args.marker}={args.token}")
+    if args.shared_dir:
         for path in glob.glob(os.path.join(args.shared_dir, f".preflight-*-{args.token}")):
             with contextlib.suppress(OSError):
                 os.unlink(path)
