@@ -32,6 +32,7 @@ from typing import Any, Literal
 import yaml
 
 from trainer.configerror import ConfigError, require
+from trainer.node import config_aliases
 from trainer.node.checkpoint import CheckpointConfig
 from trainer.node.data import DataConfig
 from trainer.node.engines import DistributedConfig
@@ -93,7 +94,7 @@ class TrainerConfig:
     """Where run.json, metrics.jsonl, summary.json, ds_config.json and checkpoints/ go (relative paths
     are relative to the working directory; on a cluster, a directory on the shared file system)."""
     train: TrainConfig = field(default_factory=TrainConfig)
-    """Steps, batch sizes, optimizer, precision."""
+    """Steps or epochs, batch sizes, optimizer, learning-rate schedule, precision."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training text and how it is cut into samples."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -138,6 +139,13 @@ class TrainerConfig:
             "lora.qlora",
             "does not work with DeepSpeed ZeRO-3 (a 4-bit base cannot be partitioned); use "
             "distributed.zero_stage=2, as the Qwen guide's Q-LoRA does, or the ddp engine",
+        )
+        require(
+            not (self.train.optimizer == "adamw_8bit" and self.distributed.engine == "deepspeed"),
+            "train.optimizer",
+            "adamw_8bit is not run under DeepSpeed here (ZeRO partitions the optimizer state itself, "
+            "and bitsandbytes' 8-bit state is untested inside it); use train.optimizer=adamw with "
+            "deepspeed, or distributed.engine=ddp or accelerate for 8-bit AdamW",
         )
 
     def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
@@ -201,60 +209,47 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
     return float(value) if tp is float else value
 
 
-#: Names people bring from the Hugging Face Trainer (TrainingArguments), axolotl and LLaMA-Factory,
-#: and the key that means the same here. Named in the error, never accepted silently: the meaning
-#: differs in details (e.g. `resume_from_checkpoint: true` is `checkpoint.resume: auto`).
-FOREIGN_NAMES: dict[str, str] = {
-    "max_grad_norm": "train.grad_clip",
-    "logging_steps": "train.log_every",
-    "resume_from_checkpoint": "checkpoint.resume",
-    "save_steps": "checkpoint.save_steps",
-    "save_total_limit": "checkpoint.save_total_limit",
-    "per_device_train_batch_size": "train.micro_batch_size",
-    "micro_batch_size": "train.micro_batch_size",
-    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
-    "learning_rate": "train.learning_rate",
-    "lr": "train.learning_rate",
-    "weight_decay": "train.weight_decay",
-    "warmup_steps": "train.warmup_steps",
-    "warmup_ratio": "train.warmup_ratio",
-    "max_steps": "train.max_steps",
-    "seed": "train.seed",
-    "bf16": "train.mixed_precision",
-    "fp16": "train.mixed_precision",
-    "gradient_checkpointing": "train.gradient_checkpointing",
-    "torch_compile": "train.compile",
-    "eval_steps": "eval.every_steps",
-    "model_name_or_path": "model.name_or_path",
-    "base_model": "model.name_or_path",
-    "model_max_length": "model.max_length",
-    "sequence_len": "model.max_length",
-    "cutoff_len": "model.max_length",
-    "sample_packing": "data.packing",
-    "lora_r": "lora.r",
-    "lora_alpha": "lora.alpha",
-    "lora_dropout": "lora.dropout",
-    "lora_target_modules": "lora.target_modules",
-    "lora_target": "lora.target_modules",
-    "ddp_timeout": "distributed.timeout_s",
-    "report_to": "metrics.report_to",
-    "run_name": "metrics.run_name",
-    "wandb_project": "metrics.project",
-    "wandb_name": "metrics.run_name",
-}
-
-
 def _unknown_key(key: str, known: typing.Iterable[str]) -> ConfigError:
     name = key.rsplit(".", 1)[-1]
-    ours = FOREIGN_NAMES.get(name)
-    if ours and ours != key:
-        hint = f"; {name} is {ours} here (see `trainer train --help-config`)"
-    else:
+    hint = config_aliases.explain(name, key)
+    if hint is None:
+        # Another tool's name is answered above, never with a near spelling (lora_rank is not lora).
         close = difflib.get_close_matches(name, list(known), n=1)
-        hint = (
-            f"; did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}?" if close else ""
-        )
-    return ConfigError(key, f"unknown key{hint} (known: {', '.join(sorted(known))})")
+        section = key.rsplit(".", 1)[0] + "." if "." in key else ""
+        hint = f"did you mean {section}{close[0]}?" if close else ""
+        if not close:
+            return ConfigError(key, f"unknown key (known: {', '.join(sorted(known))})")
+    return ConfigError(key, f"unknown key; {hint}")
+
+
+def _unknown_keys(tree: Any, cls: type, prefix: str = "") -> list[ConfigError]:
+    """Every key of a config tree that cls (and its sections) does not have, each with its hint."""
+    if not isinstance(tree, dict):
+        return []  # a section that is not a mapping is _build's to refuse
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    found: list[ConfigError] = []
+    for name, value in tree.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            found.append(_unknown_key(key, fields))
+        elif dataclasses.is_dataclass(hints[name]):
+            found += _unknown_keys(value, hints[name], key)
+    return found
+
+
+def _one_error(unknown: list[ConfigError], tree: dict[str, Any], source: Path) -> ConfigError:
+    """All of a file's unknown keys in one error (a config from another tool has a score of them),
+    with the plain renames written out in this trainer's words."""
+    if len(unknown) == 1:
+        return unknown[0]
+    lines = [f"{len(unknown)} unknown keys in {source}:"] + [f"  {err}" for err in unknown]
+    renamed = config_aliases.renames(tree, [err.key for err in unknown])
+    if renamed:
+        lines += ["These, in this trainer's words (the rest as noted above):"]
+        lines += [f"  {line}" for line in yaml.safe_dump(renamed, sort_keys=False).splitlines()]
+    lines.append("(every key: trainer train --help-config)")
+    return ConfigError("", "\n".join(lines))
 
 
 def _build(cls: type, values: Any, prefix: str) -> Any:
@@ -333,12 +328,41 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         tree = {}
     if not isinstance(tree, dict):
         raise ConfigError("--config", f"{source} must hold a mapping of sections (got {type(tree).__name__})")
+    unknown = _unknown_keys(tree, TrainerConfig)
+    in_file = dict(tree.get("train") or {}) if isinstance(tree.get("train"), dict) else {}
+    set_here: set[str] = set()
     for item in overrides:
         dotted, sep, raw = item.partition("=")
         if not sep or not dotted.strip():
             raise ConfigError("--set", f"expected section.key=value (got {item!r})")
-        _set_path(tree, dotted.strip(), raw.strip(), TrainerConfig)
+        try:
+            _set_path(tree, dotted.strip(), raw.strip(), TrainerConfig)
+        except ConfigError as err:
+            if not err.problem.startswith("unknown key"):
+                raise
+            unknown.append(err)
+        set_here.add(dotted.strip())
+    if unknown:
+        raise _one_error(unknown, tree, source)
+    _steps_or_epochs(tree, in_file, set_here)
     return _build(TrainerConfig, tree, "")
+
+
+def _steps_or_epochs(tree: dict[str, Any], in_file: dict[str, Any], set_here: set[str]) -> None:
+    """One of train.max_steps and train.num_epochs decides. A --set of one replaces the other where only
+    the file sets it (`--set train.num_epochs=1` on a file with max_steps: 1000, or on the embedded
+    default); both in the file, or both on the command line, stay both: TrainConfig refuses that."""
+    train = tree.get("train")
+    if not isinstance(train, dict):
+        return
+    for ours, other in (("train.num_epochs", "max_steps"), ("train.max_steps", "num_epochs")):
+        if (
+            ours in set_here
+            and train.get(ours.split(".")[1]) is not None
+            and f"train.{other}" not in set_here
+            and in_file.get(other) is not None
+        ):
+            train[other] = None
 
 
 def dump_config(config: TrainerConfig) -> str:
@@ -399,6 +423,5 @@ def format_config_keys() -> str:
     for key, type_name, default, doc in config_keys():
         lines.append(f"{key}  ({type_name}) [{json.dumps(default)}]")
         lines += [f"    {line}" for line in doc.splitlines()]
-    lines += ["", "Names from the Hugging Face Trainer, axolotl and LLaMA-Factory:"]
-    lines += [f"  {theirs:<28} -> {ours}" for theirs, ours in FOREIGN_NAMES.items()]
+    lines += ["", config_aliases.format_aliases()]
     return "\n".join(lines)

@@ -92,20 +92,6 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay matrices (weights, embeddings), not biases and norms (nanoGPT's rule)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    # Under ZeRO-3 a parameter is an empty partition; `ds_shape` is its real shape.
-    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
-    groups = [
-        {"params": [p for p, m in zip(params, matrix, strict=True) if m], "weight_decay": weight_decay},
-        {"params": [p for p, m in zip(params, matrix, strict=True) if not m], "weight_decay": 0.0},
-    ]
-    # An empty group (a LoRA adapter has no biases or norms) would be dropped by DeepSpeed, leaving the
-    # LR schedule with one group too many.
-    return [group for group in groups if group["params"]]
-
-
 # --- will it fit? ---------------------------------------------------------------------------------
 
 #: What to try when a model does not fit (the end of the too-big error).

@@ -1,14 +1,26 @@
-"""AdamW with a linear-warmup, cosine-decay learning rate: the same for every engine."""
+"""The optimizer train.optimizer names, its parameter groups and the learning-rate schedule
+(train.lr_schedule after a linear warmup): the same for every engine.
+
+torch is imported inside the functions: `check_optimizer` runs before the process group starts, and
+this module must not pull in the model (trainer.node.model imports the config, which imports the
+engines, which import this module).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import TYPE_CHECKING
+
+from trainer.configerror import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
     from trainer.node.schedule import TrainConfig
+
+#: nanoGPT's betas: a shorter memory of the squared gradients than torch's default 0.999.
+BETAS = (0.9, 0.99)
 
 
 def lr_multiplier(step: int, config: TrainConfig) -> float:
@@ -16,10 +28,67 @@ def lr_multiplier(step: int, config: TrainConfig) -> float:
     warmup = config.warmup()
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    span = max(1, config.max_steps - warmup)
+    if config.lr_schedule == "constant":
+        return 1.0
+    span = max(1, config.steps() - warmup)
     progress = min(1.0, (step - warmup) / span)
-    floor = config.min_lr / config.learning_rate
+    floor = config.floor_lr() / config.learning_rate
+    if config.lr_schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay matrices (weights, embeddings), not biases and norms (nanoGPT's rule)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Under ZeRO-3 a parameter is an empty partition; `ds_shape` is its real shape.
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    groups = [
+        {"params": [p for p, m in zip(params, matrix, strict=True) if m], "weight_decay": weight_decay},
+        {"params": [p for p, m in zip(params, matrix, strict=True) if not m], "weight_decay": 0.0},
+    ]
+    # An empty group (a LoRA adapter has no biases or norms) would be dropped by DeepSpeed, leaving the
+    # LR schedule with one group too many.
+    return [group for group in groups if group["params"]]
+
+
+def check_optimizer(config: TrainConfig, *, device_type: str) -> str | None:
+    """ConfigError("train.optimizer") when the named optimizer cannot run on this node (before the
+    process group starts, on every rank); else the log line saying what runs, or None for plain adamw.
+    device_type: "cuda" or "cpu", what the engine will train on."""
+    if config.optimizer == "adamw_8bit":
+        if device_type != "cuda":
+            raise ConfigError(
+                "train.optimizer",
+                f"adamw_8bit runs on CUDA GPUs only (bitsandbytes' kernels) and this node trains on "
+                f"{device_type}; use train.optimizer=adamw (or adamw_fused)",
+            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(
+                "train.optimizer",
+                "adamw_8bit needs bitsandbytes, which is not installed on this node; install the `qlora` "
+                "extra (pip install 'clustertrain[qlora]') in the training venv, or use "
+                "train.optimizer=adamw",
+            )
+        return "optimizer: AdamW with 8-bit state (bitsandbytes AdamW8bit)"
+    if config.optimizer == "adamw_fused":
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        if device_type not in _get_fused_kernels_supported_devices():
+            raise ConfigError(
+                "train.optimizer",
+                f"adamw_fused: torch {_torch_version()} has no fused AdamW kernel for {device_type}; "
+                "use train.optimizer=adamw",
+            )
+        where = "one kernel on the GPU" if device_type == "cuda" else "torch's CPU kernel, no GPU involved"
+        return f"optimizer: AdamW, fused ({where})"
+    return None
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def build_optimizer(
@@ -29,10 +98,14 @@ def build_optimizer(
 
     import torch
 
-    from trainer.node.model import parameter_groups
+    groups = parameter_groups(model, config.weight_decay)
+    if config.optimizer == "adamw_8bit":
+        import bitsandbytes
 
-    optimizer = torch.optim.AdamW(
-        parameter_groups(model, config.weight_decay), lr=config.learning_rate, betas=(0.9, 0.99)
-    )
+        optimizer = bitsandbytes.optim.AdamW8bit(groups, lr=config.learning_rate, betas=BETAS)
+    else:
+        optimizer = torch.optim.AdamW(
+            groups, lr=config.learning_rate, betas=BETAS, fused=config.optimizer == "adamw_fused" or None
+        )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_multiplier, config=config))
     return optimizer, scheduler

@@ -1,4 +1,5 @@
-"""The `train` section of the trainer config: steps, batch sizes, the optimizer's schedule, precision.
+"""The `train` section of the trainer config: steps or epochs, batch sizes, the optimizer and its
+learning-rate schedule, precision.
 
 A leaf module (no other trainer module imported) so the loop, the engines, the optimizer and the
 config loader can all use it without importing each other.
@@ -10,23 +11,42 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer.configerror import require
+from trainer.configerror import ConfigError, require
+
+#: Optimizer steps when neither train.max_steps nor train.num_epochs is set (the tiny GPT's minute).
+DEFAULT_MAX_STEPS = 80
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    max_steps: int = 80
-    """Optimizer steps to train for (a resumed run continues up to the same number)."""
+    max_steps: int | None = None
+    """Optimizer steps to train for (a resumed run continues up to the same number). null: 80, unless
+    train.num_epochs is set, which then decides. Set one of the two, not both."""
+    num_epochs: float | None = None
+    """Passes over the training data (1.5 is one and a half); null: train.max_steps decides. The steps
+    are derived once the data is prepared on the node: ceil(num_epochs × training rows × data.repeats /
+    effective batch), shown in the log, the dry run and run.json."""
     micro_batch_size: int = 16
     """Samples per process per forward/backward pass."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step; effective batch = micro_batch_size × world size × this."""
     seed: int = 1337
     """Seed for model init (same on all ranks), data order (same) and dropout (offset by rank)."""
+    optimizer: Literal["adamw", "adamw_fused", "adamw_8bit"] = "adamw"
+    """AdamW (betas 0.9, 0.99). `adamw`: torch's, its default implementation; `adamw_fused`: torch's
+    fused kernel (on GPUs and, in torch 2.4 and later, the CPU; the log says which); `adamw_8bit`:
+    bitsandbytes' AdamW8bit, moments in 8 bits (a quarter of their memory): CUDA nodes with the
+    `qlora` extra installed, ddp or accelerate engine (DeepSpeed shards the optimizer state itself)."""
     learning_rate: float = 3e-3
-    """Peak AdamW learning rate, reached after warmup_steps."""
-    min_lr: float = 3e-4
-    """Learning rate at the end of the cosine decay."""
+    """Peak learning rate, reached after the warmup."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """After the warmup: `cosine` decays to the minimum along a half cosine, `linear` in a straight
+    line, both reaching it at the last step; `constant` stays at learning_rate."""
+    min_lr: float | None = None
+    """Learning rate at the end of a cosine or linear decay; null: learning_rate × min_lr_ratio."""
+    min_lr_ratio: float = 0.1
+    """The minimum as a fraction of learning_rate, used when min_lr is null (so a learning_rate alone
+    is a whole schedule)."""
     warmup_steps: int = 10
     """Steps of linear warmup from near zero to learning_rate (unless warmup_ratio is set)."""
     warmup_ratio: float = 0.0
@@ -46,15 +66,35 @@ class TrainConfig:
     much less memory for about a third more compute; what fits a 7B model's long samples on a GPU."""
 
     def __post_init__(self) -> None:
+        if self.num_epochs is not None:
+            require(
+                self.max_steps is None,
+                "num_epochs",
+                f"and train.max_steps ({self.max_steps}) are both set; keep one: num_epochs derives the "
+                "steps from the data, max_steps counts them",
+            )
+            require(
+                math.isfinite(self.num_epochs) and self.num_epochs > 0,
+                "num_epochs",
+                f"must be greater than 0 (got {self.num_epochs})",
+            )
+        elif self.max_steps is None:
+            self.max_steps = DEFAULT_MAX_STEPS
         for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps", "log_every"):
             value = getattr(self, name)
-            require(value >= 1, name, f"must be at least 1 (got {value})")
+            require(value is None or value >= 1, name, f"must be at least 1 (got {value})")
         require(self.seed >= 0, "seed", f"must be 0 or more (got {self.seed})")
         require(self.learning_rate > 0, "learning_rate", f"must be greater than 0 (got {self.learning_rate})")
         require(
-            0 <= self.min_lr <= self.learning_rate,
+            self.min_lr is None or 0 <= self.min_lr <= self.learning_rate,
             "min_lr",
-            f"must be between 0 and train.learning_rate={self.learning_rate} (got {self.min_lr})",
+            f"must be between 0 and train.learning_rate={self.learning_rate} (got {self.min_lr}); "
+            "or null for train.min_lr_ratio × learning_rate",
+        )
+        require(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            "min_lr_ratio",
+            f"must be in [0, 1]: a fraction of train.learning_rate (got {self.min_lr_ratio})",
         )
         require(self.warmup_steps >= 0, "warmup_steps", f"must be 0 or more (got {self.warmup_steps})")
         require(
@@ -65,8 +105,47 @@ class TrainConfig:
         require(self.weight_decay >= 0, "weight_decay", f"must be 0 or more (got {self.weight_decay})")
         require(self.grad_clip >= 0, "grad_clip", f"must be 0 (off) or more (got {self.grad_clip})")
 
+    def steps(self) -> int:
+        """max_steps, once known (with num_epochs: after derive_max_steps, on the node)."""
+        if self.max_steps is None:
+            raise ConfigError("num_epochs", "the steps are derived from the data on the node, not known yet")
+        return self.max_steps
+
     def warmup(self) -> int:
         """Warmup steps in effect: warmup_ratio × max_steps (rounded up) when set, else warmup_steps."""
         if self.warmup_ratio > 0:
-            return math.ceil(self.warmup_ratio * self.max_steps)
+            return math.ceil(self.warmup_ratio * self.steps())
         return self.warmup_steps
+
+    def floor_lr(self) -> float:
+        """The learning rate a cosine or linear decay ends at."""
+        return self.min_lr if self.min_lr is not None else self.learning_rate * self.min_lr_ratio
+
+    def derive_max_steps(self, *, rows: int, repeats: int, world_size: int) -> str | None:
+        """With num_epochs: set max_steps from the training rows (samples, or packed rows) and the
+        effective batch, and return the log line that says how; None when max_steps was set."""
+        if self.num_epochs is None:
+            return None
+        effective = self.micro_batch_size * world_size * self.gradient_accumulation_steps
+        per_epoch = rows * repeats
+        # A step is never cut short: the last epoch's partial batch still makes a step.
+        self.max_steps = max(1, math.ceil(self.num_epochs * per_epoch / effective))
+        return (
+            f"train.max_steps = {self.max_steps}, from train.num_epochs {self.num_epochs:g}: ceil("
+            f"{self.num_epochs:g} × {rows} training rows × data.repeats {repeats} / effective batch "
+            f"{effective} (micro_batch_size {self.micro_batch_size} × world size {world_size} × "
+            f"gradient_accumulation_steps {self.gradient_accumulation_steps}))"
+        )
+
+    def steps_record(self, *, rows: int, repeats: int, world_size: int) -> dict[str, float | int | str]:
+        """What run.json records of max_steps: its value and what set it (with num_epochs, from what)."""
+        if self.num_epochs is None:
+            return {"max_steps": self.steps(), "set_by": "train.max_steps"}
+        return {
+            "max_steps": self.steps(),
+            "set_by": "train.num_epochs",
+            "num_epochs": self.num_epochs,
+            "training_rows": rows,
+            "repeats": repeats,
+            "effective_batch": self.micro_batch_size * world_size * self.gradient_accumulation_steps,
+        }

@@ -35,6 +35,12 @@ EXAMPLES = (
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "config_file",
+        nargs="?",
+        metavar="CONFIG",
+        help="YAML config, as with --config (default: the embedded configs/default.yaml)",
+    )
+    parser.add_argument(
         "--config", metavar="FILE", help="YAML config (default: the embedded configs/default.yaml)"
     )
     parser.add_argument(
@@ -132,7 +138,7 @@ def _run(args: argparse.Namespace) -> int:
         print(format_config_keys())
         return exitcodes.OK
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(config_path(args), args.overrides)
         config.health.webhook_target()  # a webhook file or variable is the node's: checked here
         if _rank() == 0:  # rank 0 writes the trackers: their packages must be there, checked here
             config.metrics.check_installed()
@@ -148,8 +154,12 @@ def _run(args: argparse.Namespace) -> int:
                 world_size=world_size,
                 bf16=None,
             )
+        optimizer_note = None
         if not args.dry_run:
             check_visible_gpus()
+            from trainer.node.optim import check_optimizer
+
+            optimizer_note = check_optimizer(config.train, device_type=_device_type())
         corpus = None
         if config.model.name_or_path:
             # The model directory, tokenizer, LoRA targets and every record are checked here, on every
@@ -176,7 +186,12 @@ def _run(args: argparse.Namespace) -> int:
         )
         if args.dry_run:
             print(dump_config(config), end="")
-            for line in getattr(corpus, "notes", []):
+        # With train.num_epochs the steps follow from the prepared data: known only now.
+        steps_note = config.train.derive_max_steps(
+            rows=samples, repeats=config.data.repeats, world_size=world_size
+        )
+        if args.dry_run:
+            for line in [*getattr(corpus, "notes", []), *([steps_note] if steps_note else [])]:
                 print(f"# {line}")
             print(
                 f"# world size {world_size}: {samples} samples × {repeats} repeats; "
@@ -196,7 +211,10 @@ def _run(args: argparse.Namespace) -> int:
         _error(f"data error: {err}")
         return exitcodes.DATA_ERROR
     try:
-        notes = [*getattr(corpus, "notes", []), *([note] if note else [])]
+        notes = [
+            *getattr(corpus, "notes", []),
+            *(line for line in (note, steps_note, optimizer_note) if line),
+        ]
         return train(config, corpus, repeats=repeats, notes=notes)
     except ConfigError as err:  # checkpoint.resume naming a bad path is found once the run starts
         _error(f"config error: {err}")
@@ -206,6 +224,25 @@ def _run(args: argparse.Namespace) -> int:
         return exitcodes.NO_SPACE
     except KeyboardInterrupt:
         return 130
+
+
+def config_path(args: argparse.Namespace) -> str | None:
+    """The config file named as CONFIG or --config (ConfigError when both name different files)."""
+    from trainer.configerror import ConfigError
+
+    if args.config_file and args.config and args.config_file != args.config:
+        raise ConfigError(
+            "--config",
+            f"two config files given ({args.config_file} and --config {args.config}); give one",
+        )
+    return args.config_file or args.config
+
+
+def _device_type() -> str:
+    """What this rank will train on: the engine's choice (trainer.node.distributed), known early."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_memory(config: TrainerConfig, corpus, world_size: int) -> None:
@@ -422,6 +459,9 @@ def train(
                     "bf16": bf16,
                     "ranks": hosts,
                 },
+                "steps": config.train.steps_record(
+                    rows=corpus.num_samples, repeats=config.data.repeats, world_size=topology.world_size
+                ),
                 "data": {
                     **data_facts,
                     "repeats": repeats,

@@ -34,13 +34,16 @@ from trainer.controller.runner import PrestartedRun
 TAKES_COMMAND = True
 EXAMPLES = (
     "trainer launch -i inventory/mycluster --run-name first --set train.max_steps=200",
-    "trainer launch -i inventory/mycluster --run-name qwen-lora --config finetune-lora.yaml --max-restarts 2",
+    "trainer launch -i inventory/mycluster --run-name qwen-lora finetune-lora.yaml --max-restarts 2",
     "trainer launch -i inventory/mycluster --env WANDB_API_KEY -- bash finetune/finetune_lora_ds.sh",
 )
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_job_arguments(parser)
+    parser.add_argument(
+        "config_file", nargs="?", metavar="CONFIG", help="trainer YAML config on this machine, as --config"
+    )
     parser.epilog = COMMAND_EPILOG
     parser.add_argument(
         "--stop",
@@ -69,6 +72,15 @@ def replanner(args: argparse.Namespace, cluster: Cluster) -> Callable[[set[str],
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "config_file", None):  # `trainer launch -i INV CONFIG`, as `trainer train CONFIG`
+        if args.config and args.config != args.config_file:
+            print(
+                f"trainer launch: two config files given ({args.config_file} and --config {args.config}); "
+                "give one",
+                file=sys.stderr,
+            )
+            return exitcodes.CONFIG_ERROR
+        args.config = args.config_file
     if problem := option_problem(args):
         print(f"trainer launch: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
