@@ -183,7 +183,7 @@ class Difference:
 def _options(delete: bool) -> list[str]:
     # -r and --links: the tree as it is; --copy-unsafe-links: a link that points outside it (a Hugging
     # Face cache snapshot's links into ../../blobs) becomes the file it points to, which the far side
-    # could not reach. Permissions: readable by every account of the cluster, writable by the owner.
+    # could not reach.
     options = ["--recursive", "--links", "--copy-unsafe-links", f"--partial-dir={PARTIAL_DIR}"]
     return [*options, "--delete"] if delete else options
 
@@ -205,7 +205,9 @@ def copy(
         *_options(delete),
         "--times",
         "--perms",
-        "--chmod=u+rwX,go+rX,go-w",
+        # The shared dir's own policy (2770, the training group): the group reads, nobody else does;
+        # setgid dirs keep new files in the training group.
+        "--chmod=u+rwX,g+rX,g-w,o-rwx,Dg+s",
         # Missing dirs above the destination (models/, datasets/) are made, as the training account.
         "--mkpath",
         "--info=progress2",
