@@ -68,8 +68,7 @@ KNOWN_FAILURES = (
     ),
     (
         re.compile(r"rsync: (command )?not found|rsync: No such file or directory"),
-        "rsync is not installed on the head: provision it (site.yml installs rsync on every node) or "
-        "apt-get install rsync there",
+        "rsync is not installed on the head: install it there (apt-get install rsync)",
     ),
     (
         re.compile(r"(mkdir|open|rename|mkstemp) .*Permission denied"),
