@@ -24,8 +24,8 @@ class TrainConfig:
     train.num_epochs is set, which then decides. Set one of the two, not both."""
     num_epochs: float | None = None
     """Passes over the training data (1.5 is one and a half); null: train.max_steps decides. The steps
-    are derived once the data is prepared on the node: ceil(num_epochs × training rows × data.repeats /
-    effective batch), shown in the log, the dry run and run.json."""
+    are derived once the data is prepared on the node: num_epochs × the whole effective batches in the
+    training rows × data.repeats (rounded up), shown in the log, the dry run and run.json."""
     micro_batch_size: int = 16
     """Samples per process per forward/backward pass."""
     gradient_accumulation_steps: int = 1
@@ -122,30 +122,38 @@ class TrainConfig:
         return self.min_lr if self.min_lr is not None else self.learning_rate * self.min_lr_ratio
 
     def derive_max_steps(self, *, rows: int, repeats: int, world_size: int) -> str | None:
-        """With num_epochs: set max_steps from the training rows (samples, or packed rows) and the
-        effective batch, and return the log line that says how; None when max_steps was set."""
+        """With num_epochs: set max_steps from the training rows (samples, or packed rows), the repeats
+        and the effective batch, and return the log line that says how; None when max_steps was set.
+
+        An epoch is one pass of the run's sample order (trainer.node.order): rows × repeats entries in
+        whole steps of the effective batch, the remainder left out, so 1 epoch trains each row at most
+        once per repeat."""
         if self.num_epochs is None:
             return None
         effective = self.micro_batch_size * world_size * self.gradient_accumulation_steps
-        per_epoch = rows * repeats
-        # A step is never cut short: the last epoch's partial batch still makes a step.
-        self.max_steps = max(1, math.ceil(self.num_epochs * per_epoch / effective))
+        per_epoch = max(1, rows * repeats // effective)
+        # 0.3 × 10 is 3.0000000000000004 in floats: three steps, not four.
+        self.max_steps = max(1, math.ceil(self.num_epochs * per_epoch - 1e-9))
+        left_out = rows * repeats % effective
         return (
-            f"train.max_steps = {self.max_steps}, from train.num_epochs {self.num_epochs:g}: ceil("
-            f"{self.num_epochs:g} × {rows} training rows × data.repeats {repeats} / effective batch "
-            f"{effective} (micro_batch_size {self.micro_batch_size} × world size {world_size} × "
-            f"gradient_accumulation_steps {self.gradient_accumulation_steps}))"
+            f"train.max_steps = {self.max_steps}: train.num_epochs {self.num_epochs:g} × {per_epoch} steps "
+            f"per epoch ({rows} training rows × data.repeats {repeats} in steps of the effective batch "
+            f"{effective} = micro_batch_size {self.micro_batch_size} × world size {world_size} × "
+            f"gradient_accumulation_steps {self.gradient_accumulation_steps}"
+            + (f"; the last {left_out} of each epoch's shuffled order are left out)" if left_out else ")")
         )
 
     def steps_record(self, *, rows: int, repeats: int, world_size: int) -> dict[str, float | int | str]:
         """What run.json records of max_steps: its value and what set it (with num_epochs, from what)."""
         if self.num_epochs is None:
             return {"max_steps": self.steps(), "set_by": "train.max_steps"}
+        effective = self.micro_batch_size * world_size * self.gradient_accumulation_steps
         return {
             "max_steps": self.steps(),
             "set_by": "train.num_epochs",
             "num_epochs": self.num_epochs,
+            "steps_per_epoch": max(1, rows * repeats // effective),
             "training_rows": rows,
             "repeats": repeats,
-            "effective_batch": self.micro_batch_size * world_size * self.gradient_accumulation_steps,
+            "effective_batch": effective,
         }

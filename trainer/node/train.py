@@ -187,9 +187,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(dump_config(config), end="")
         # With train.num_epochs the steps follow from the prepared data: known only now.
-        steps_note = config.train.derive_max_steps(
-            rows=samples, repeats=config.data.repeats, world_size=world_size
-        )
+        steps_note = config.train.derive_max_steps(rows=samples, repeats=repeats, world_size=world_size)
         if args.dry_run:
             for line in [*getattr(corpus, "notes", []), *([steps_note] if steps_note else [])]:
                 print(f"# {line}")
@@ -460,7 +458,7 @@ def train(
                     "ranks": hosts,
                 },
                 "steps": config.train.steps_record(
-                    rows=corpus.num_samples, repeats=config.data.repeats, world_size=topology.world_size
+                    rows=corpus.num_samples, repeats=repeats, world_size=topology.world_size
                 ),
                 "data": {
                     **data_facts,

@@ -3,8 +3,9 @@ the way the Hugging Face Trainer does it: every `"auto"` takes the trainer's val
 states must agree with the trainer's, else ConfigError naming both (exit 2). The Qwen guide's
 `ds_config_zero2.json` works as it is.
 
-The trainer's own AdamW and learning-rate schedule always run (all engines optimize the same way), so
-the JSON's `optimizer` and `scheduler` sections are only checked (lr, weight decay) and then left out.
+The trainer's own optimizer (train.optimizer: AdamW, plain or fused) and learning-rate schedule always
+run (all engines optimize the same way), so the JSON's `optimizer` and `scheduler` sections are only
+checked (an Adam/AdamW type, lr, weight decay) and then left out.
 Everything else the JSON holds (offload, bucket sizes, overlap_comm, ...) goes to DeepSpeed as written.
 No torch here: train.py checks the file on every rank before the process group starts.
 """
@@ -97,6 +98,15 @@ def merge_user_config(
 
     # The trainer's optimizer and schedule run; the JSON's are checked, then left out.
     optimizer = merged.pop("optimizer", None)
+    kind = optimizer.get("type") if isinstance(optimizer, dict) else None
+    if kind is not None and str(kind).lower() not in ("adam", "adamw", "auto"):
+        # DeepSpeed's own optimizers (OneBitAdam, Lamb, ...) never run here: train.optimizer does.
+        raise ConfigError(
+            KEY,
+            f"{path} names optimizer.type {kind!r}, but the trainer's train.optimizer "
+            f'({train.optimizer}) is what runs; write "type": "AdamW" (or leave the optimizer '
+            "section out)",
+        )
     if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
         params = optimizer["params"]
         fill(params, "lr", "optimizer.params.lr", train.learning_rate, "train.learning_rate")
