@@ -18,7 +18,8 @@ from trainer.cli import main
 from trainer.node.config import load_config
 from trainer.node.hf import dataset
 from trainer.node.hf.batches import Collator, FinetuneBatches
-from trainer.node.hf.chat import IGNORE, assistant_labels, normalize, render
+from trainer.node.hf.chat import IGNORE, assistant_labels, render
+from trainer.node.hf.formats import to_example
 from trainer.node.hf.job import FineTune
 from trainer.node.hf.packing import pack
 from trainer.node.order import START
@@ -48,7 +49,7 @@ def write_json(path, records) -> str:
 
 
 def test_only_the_assistants_tokens_carry_labels(tokenizer):
-    messages = normalize(CHAT, "conversations", "test")
+    messages = to_example(CHAT, "sharegpt", "test", "data.path").messages
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
     text, spans = render(tokenizer, messages, "test")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -70,7 +71,7 @@ def test_messages_and_conversations_formats_give_the_same_samples(tokenizer, tmp
     kwargs = {"data_format": "auto", "max_length": 512, "overlong": "truncate"}
     conversations = dataset.tokenize(tokenizer, str(tmp_path / "c.jsonl"), **kwargs)
     messages = dataset.tokenize(tokenizer, str(tmp_path / "m.json"), **kwargs)
-    assert (conversations.data_format, messages.data_format) == ("conversations", "messages")
+    assert (conversations.data_format, messages.data_format) == ("sharegpt", "messages")
     assert len(conversations.samples) == 30
     assert np.array_equal(conversations.samples.ids, messages.samples.ids)
     assert np.array_equal(conversations.samples.labels, messages.samples.labels)
@@ -221,7 +222,7 @@ def test_dry_run_reports_the_data_before_anything_starts(tiny_model, chat_data, 
             "data.packing=true", f"output_dir={tmp_path / 'out'}"]  # fmt: skip
     assert main(["train", "--dry-run", *[a for s in sets for a in ("--set", s)]]) == exitcodes.OK
     out = capsys.readouterr().out
-    assert "# data: " in out and "400 conversations records" in out and "truncated" in out
+    assert "# data: " in out and "400 sharegpt records" in out and "truncated" in out
     assert "# packing: " in out
     assert not (tmp_path / "out").exists()
 
@@ -275,4 +276,4 @@ def test_an_eval_file_or_a_held_out_fraction(tiny_model, chat_data, tmp_path):  
     eval_file = write_json(tmp_path / "eval.json", [CHAT] * 5)
     separate = FineTune.prepare(load_config(None, [*base, f"data.eval_path={eval_file}"]), world_size=2)
     assert (len(separate.train), len(separate.eval)) == (400, 5)
-    assert any(note.startswith(f"eval data: {eval_file}: 5 conversations records") for note in separate.notes)
+    assert any(note.startswith(f"eval data: {eval_file}: 5 sharegpt records") for note in separate.notes)

@@ -184,6 +184,16 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
             except ConfigError:
                 pass
         raise ConfigError(key, f"must be {_type_name(tp)} (got {type(value).__name__} {value!r})")
+    if typing.get_origin(tp) is dict or (
+        typing.get_origin(tp) is list and typing.get_origin(typing.get_args(tp)[0]) is dict
+    ):
+        # A mapping (data.columns) or a list of mappings (data.datasets): their section checks the keys.
+        shape = dict if typing.get_origin(tp) is dict else list
+        if isinstance(value, shape) and (shape is dict or all(isinstance(item, dict) for item in value)):
+            return value
+        raise ConfigError(
+            key, f"must be a {'mapping' if shape is dict else 'list of mappings'} (got {value!r})"
+        )
     if typing.get_origin(tp) is list:
         # A list of names, as a YAML list or as `a,b` (what `--set key=a,b` gives).
         items = (

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.configerror import ConfigError, require
+from trainer.node.hf.sources import check_data_config
 from trainer.node.order import StepBatches
 
 if TYPE_CHECKING:
@@ -28,8 +29,11 @@ if TYPE_CHECKING:
 @dataclass(kw_only=True)
 class DataConfig:
     path: str = ""
-    """Training text: a plain text file, or JSON lines with a `text` field per line ('' = the bundled
-    English text of the standard library's `pydoc_data.topics`)."""
+    """The training data ('' = the bundled English text of the standard library's `pydoc_data.topics`).
+    The built-in tiny GPT reads a plain text file, or JSON lines with a `text` field per line. A Hugging
+    Face model reads, through `datasets`: a JSON, JSON lines, CSV, parquet or arrow file (a glob too), a
+    `save_to_disk` directory or one of data files, an `s3://bucket/key` path, a hub dataset id where a hub
+    is reachable, or a plain `.txt` file (docs/data.md)."""
     block_size: int = 64
     """Characters per sample, which is also the model's context length."""
     repeats: int = 1
@@ -37,11 +41,33 @@ class DataConfig:
     allow_dataset_oversubscription: bool = False
     """If the dataset cannot fill one effective batch, raise `repeats` to the minimum that can (logged)
     instead of stopping with an error."""
-    format: Literal["auto", "text", "conversations", "messages"] = "auto"
-    """With a Hugging Face model: `conversations` (`{"id", "conversations": [{"from", "value"}]}`, the Qwen
-    guide's), `messages` (`{"messages": [{"role", "content"}]}`), `text` (records with a `text` field, or
-    a plain text file cut into model.max_length pieces); `auto` detects it from the first record. Chats
-    are rendered with the tokenizer's chat template and only the assistant's tokens are trained on."""
+    format: Literal[
+        "auto", "alpaca", "sharegpt", "conversations", "messages", "prompt_completion", "text"
+    ] = "auto"
+    """With a Hugging Face model, the shape of data.path's records (docs/data.md): `alpaca` (instruction,
+    input, output, optional system), `sharegpt` (a `conversations` list of from/value or role/content
+    turns; `conversations` is another name for it), `messages` (OpenAI style, content a string or text
+    parts), `prompt_completion` (TRL's prompt/completion), `text` (a `text` field, or a plain text file cut
+    into model.max_length pieces); `auto` recognises it from the first record and says in the log what it
+    chose. Chats are rendered with data.chat_template."""
+    split: str = "train"
+    """The split of data.path to read where it has several (a save_to_disk DatasetDict, a hub dataset)."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Column mapping for data.path when its names differ from the format's: `{prompt: question,
+    completion: answer}` reads the column `question` as `prompt`."""
+    datasets: list[dict[str, Any]] = field(default_factory=list)
+    """Several datasets mixed into one (instead of data.path): a list of `{path, format, weight, columns,
+    split}`; each path is what data.path may be, format/columns/split as above (format defaults to
+    data.format), weight (default 1) multiplies how many of its records are trained on per epoch (2: each
+    twice, 0.5: a random half chosen with train.seed)."""
+    s3_endpoint_url: str = ""
+    """The endpoint of an S3-compatible store (R2, MinIO, Ceph) for s3:// paths ('' = AWS_ENDPOINT_URL where
+    set, else AWS S3). Credentials come from the nodes' standard AWS variables or profile, never from here."""
+    chat_template: str = "tokenizer"
+    """How chats are rendered: `tokenizer` (its own template; ChatML where it has none), `chatml`,
+    `llama3`, or the path of a Jinja template file."""
+    train_on_inputs: bool = False
+    """Train on every token (prompts, system and user turns too), not only on the replies."""
     packing: bool = False
     """Pack several samples into each model.max_length row (fewer pad tokens, faster); attention stays
     within each sample where the model supports it (checked at start, named in the log)."""
@@ -66,6 +92,7 @@ class DataConfig:
             "eval_path",
             "and data.eval_fraction are both set; use one: a separate eval file or a held-out fraction",
         )
+        check_data_config(self)
 
 
 class DataError(Exception):

@@ -1,30 +1,27 @@
-"""data.path to tokenized samples for a Hugging Face model: read, detect the format, render chats,
-tokenize, cut or drop what is longer than model.max_length, hold out the eval samples.
+"""A data source to tokenized samples for a Hugging Face model: read (trainer.node.hf.sources), each
+record turned into a chat, a prompt and completion or a text (trainer.node.hf.formats), rendered and
+tokenized, labelled (the replies only, unless data.train_on_inputs), weighted, cut or dropped where longer
+than model.max_length; the eval samples held out.
 
-Every rank does the same work on the same file and gets the same samples (before the process group
+Every rank does the same work on the same data and gets the same samples (before the process group
 starts, so a bad record stops every rank at once with the same message). Samples are kept flat in
 numpy arrays (sample i is `ids[offsets[i]:offsets[i + 1]]`), not as Python lists of ints: a dataset of
 millions of tokens then costs 8 bytes a token, not about 70.
-
-Inputs: a JSON list (`.json`) or JSON lines (`.jsonl`, or any file whose first character is `{`) of
-records, or a plain text file (cut into model.max_length pieces, every token trained). '' = the
-bundled English text of the standard library, as plain text.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from trainer.configerror import ConfigError
-from trainer.node.hf.chat import IGNORE, assistant_labels, ensure_chat_template, normalize, render
-
-FORMATS = ("conversations", "messages", "text")
+from trainer.node.hf import formats, sources
+from trainer.node.hf.chat import IGNORE, assistant_labels, render
+from trainer.node.hf.sources import DataSource
+from trainer.node.hf.templates import apply_template, renders_tool_calls
 
 
 @dataclass(frozen=True)
@@ -69,69 +66,28 @@ def from_lists(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Samples:
     return Samples(ids=flat(0), labels=flat(1), offsets=offsets)
 
 
-# --- reading -------------------------------------------------------------------------------------
-
-
-def read_source(path: str, key: str = "data.path") -> tuple[list[tuple[str, Any]] | None, str | None]:
-    """(records with their location for messages, None) for JSON input, (None, text) for plain text."""
-    if not path:
-        from pydoc_data.topics import topics
-
-        return None, "\n\n".join(topics[name] for name in sorted(topics))
-    source = Path(path).expanduser()
-    if not source.is_file():
-        raise ConfigError(key, f"no such file: {source}")
-    try:
-        raw = source.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(key, f"cannot read {source} as UTF-8 text: {err}") from None
-    stripped = raw.lstrip()
-    if source.suffix == ".json" or stripped.startswith("["):
-        try:
-            records = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise ConfigError(key, f"{source} is not valid JSON: {err}") from None
-        if not isinstance(records, list):
-            raise ConfigError(
-                key, f"{source}: expected a JSON list of records (got {type(records).__name__})"
-            )
-        return [(_where(f"{source} record {i}", r), r) for i, r in enumerate(records)], None
-    if source.suffix in (".jsonl", ".ndjson") or stripped.startswith("{"):
-        found = []
-        for number, line in enumerate(raw.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(key, f"{source}:{number}: not valid JSON ({err.msg})") from None
-            found.append((_where(f"{source}:{number}", record), record))
-        return found, None
-    return None, raw
-
-
-def _where(location: str, record: Any) -> str:
-    if isinstance(record, dict) and isinstance(record.get("id"), str | int):
-        return f"{location} (id {record['id']!r})"
-    return location
-
-
-def detect_format(records: list[tuple[str, Any]], configured: str, key: str = "data.path") -> str:
-    if not records:
-        raise ConfigError(key, "the file holds no records")
-    where, first = records[0]
-    if configured != "auto":
-        return configured
-    if isinstance(first, dict):
-        for name in FORMATS:
-            if name in first:
-                return name
-    keys = sorted(first) if isinstance(first, dict) else type(first).__name__
-    raise ConfigError(
-        "data.format",
-        f"cannot tell the format of {where} (keys: {keys}); records need a `conversations`, `messages` "
-        "or `text` field, or set data.format",
+def concatenate(parts: Sequence[Samples]) -> Samples:
+    """The samples of each part, one part after the other."""
+    if len(parts) == 1:
+        return parts[0]
+    starts = np.cumsum([0] + [len(p.ids) for p in parts[:-1]])
+    offsets = np.concatenate([[0]] + [p.offsets[1:] + start for p, start in zip(parts, starts, strict=True)])
+    return Samples(
+        ids=np.concatenate([p.ids for p in parts]).astype(np.int32),
+        labels=np.concatenate([p.labels for p in parts]).astype(np.int32),
+        offsets=offsets.astype(np.int64),
     )
+
+
+def weighted_indices(count: int, weight: float, seed: int) -> np.ndarray:
+    """Which of `count` records a weight trains per epoch: each one int(weight) times, plus a random
+    (seeded) share of them for the fraction: 2 = all twice, 0.5 = a random half, 1.5 = all and a half."""
+    whole = int(weight)
+    extra = round((weight - whole) * count)
+    chosen = (
+        np.random.default_rng(seed).choice(count, extra, replace=False) if extra else np.zeros(0, np.int64)
+    )
+    return np.concatenate([np.tile(np.arange(count), whole), np.sort(chosen)]).astype(np.int64)
 
 
 # --- tokenizing ----------------------------------------------------------------------------------
@@ -146,10 +102,17 @@ class Tokenized:
     dropped_overlong: int = 0
     dropped_untrained: int = 0
     template_note: str | None = None
-    """Set when the tokenizer had no chat template and ChatML was used."""
+    """Set when the chats were rendered with another template than the tokenizer's own."""
+    format_note: str | None = None
+    """What data.format auto chose, and why."""
+    weight: float = 1.0
 
     def summary(self, source: str, max_length: int, overlong: str) -> str:
-        parts = [f"data: {source}: {self.records} {self.data_format} records -> {len(self.samples)} samples"]
+        weighted = f" (weight {self.weight:g})" if self.weight != 1.0 else ""
+        parts = [
+            f"data: {source}: {self.records} {self.data_format} records{weighted} -> "
+            f"{len(self.samples)} samples"
+        ]
         if self.truncated:
             lost = f", {self.dropped_untrained} of them left with no trained token and dropped"
             parts.append(
@@ -173,42 +136,101 @@ def tokenize(
     max_length: int,
     overlong: str,
     key: str = "data.path",
+    **settings: Any,
 ) -> Tokenized:
-    """Read path and tokenize every record; ConfigError naming key (and the record) for bad input."""
-    records, text = read_source(path, key)
-    if text is not None:
-        if data_format in ("conversations", "messages"):
+    """tokenize_source for one path (data.path's simple form)."""
+    return tokenize_source(
+        tokenizer, DataSource(path, key, data_format), max_length=max_length, overlong=overlong, **settings
+    )
+
+
+def tokenize_source(
+    tokenizer: Any,
+    source: DataSource,
+    *,
+    max_length: int,
+    overlong: str,
+    chat_template: str = "tokenizer",
+    train_on_inputs: bool = False,
+    endpoint: str = "",
+    seed: int = 0,
+) -> Tokenized:
+    """Read a source and tokenize every record; ConfigError naming the key (and the record) for bad input."""
+    loaded = sources.read(source, endpoint)
+    if loaded.text is not None:
+        if formats.canonical(source.format) not in ("auto", "text"):
             raise ConfigError(
-                "data.format", f"is {data_format}, but {path or 'the bundled text'} is plain text"
+                f"{source.section}.format",
+                f"is {source.format}, but {source.name} is plain text (a .txt file is cut into "
+                f"model.max_length pieces); set {source.section}.format: text, or give records as "
+                ".jsonl/.json/.csv/.parquet",
             )
-        return Tokenized(samples=_chunk_text(tokenizer, text, max_length), data_format="text", records=1)
-    data_format = detect_format(records, data_format, key)
+        pairs = _chunk_text(tokenizer, loaded.text, max_length)
+        return _fit(_weighted(pairs, source, seed), "text", 1, max_length, overlong, source.weight)
+    records = loaded.records
+    if records is None or len(records) == 0:
+        raise ConfigError(source.key, f"{source.name} holds no records")
+    data_format, format_note = formats.detect(
+        records[0], source.format, _where(source, 0, records[0]), source.key
+    )
+    examples, places = [], []
+    for index, record in enumerate(records):
+        where = _where(source, index, record)
+        examples.append(formats.to_example(record, data_format, where, source.key))
+        places.append(where)
     template_note = None
-    if data_format == "text":
-        pairs = _text_records(tokenizer, records, key)
-    else:
-        template_note = ensure_chat_template(tokenizer)
-        pairs = _chat_records(tokenizer, records, data_format)
-    result = _fit(pairs, data_format, len(records), max_length, overlong)
-    result.template_note = template_note
+    if any(example.messages is not None for example in examples):
+        template_note = apply_template(tokenizer, chat_template)
+    pairs = _tokenize_examples(tokenizer, examples, places, source.key, train_on_inputs)
+    result = _fit(
+        _weighted(pairs, source, seed), data_format, len(records), max_length, overlong, source.weight
+    )
+    result.template_note, result.format_note = template_note, format_note
     return result
 
 
-def _chunk_text(tokenizer: Any, text: str, max_length: int) -> Samples:
+def _where(source: DataSource, index: int, record: Any) -> str:
+    location = f"{source.name} record {index}"
+    if isinstance(record, dict) and isinstance(record.get("id"), str | int):
+        return f"{location} (id {record['id']!r})"
+    return location
+
+
+def _weighted(pairs: list, source: DataSource, seed: int) -> list:
+    if source.weight == 1.0:
+        return pairs
+    return [pairs[i] for i in weighted_indices(len(pairs), source.weight, seed)]
+
+
+def _chunk_text(tokenizer: Any, text: str, max_length: int) -> list[tuple[list[int], list[int]]]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     pieces = [ids[start : start + max_length] for start in range(0, len(ids), max_length)]
-    return from_lists([(piece, piece) for piece in pieces if len(piece) >= 2])
+    return [(piece, piece) for piece in pieces if len(piece) >= 2]
 
 
-def _text_records(
-    tokenizer: Any, records: list[tuple[str, Any]], key: str
+def _tokenize_examples(
+    tokenizer: Any, examples: list[formats.Example], places: list[str], key: str, train_on_inputs: bool
 ) -> list[tuple[list[int], list[int]]]:
-    texts = []
-    for where, record in records:
-        value = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(value, str):
-            raise ConfigError(key, f"{where}: each record needs a string field `text` (data.format=text)")
-        texts.append(value)
+    """(ids, labels) per example, in order; chats and texts are each tokenized in one batch."""
+    pairs: list[Any] = [None] * len(examples)
+    chats = [i for i, example in enumerate(examples) if example.messages is not None]
+    texts = [i for i, example in enumerate(examples) if example.messages is None]
+    if chats:
+        for i, pair in zip(
+            chats, _chat_pairs(tokenizer, examples, places, chats, key, train_on_inputs), strict=True
+        ):
+            pairs[i] = pair
+    if texts:
+        for i, pair in zip(texts, _text_pairs(tokenizer, examples, texts, train_on_inputs), strict=True):
+            pairs[i] = pair
+    return pairs
+
+
+def _text_pairs(
+    tokenizer: Any, examples: list[formats.Example], chosen: list[int], train_on_inputs: bool
+) -> list[tuple[list[int], list[int]]]:
+    """Texts with an end-of-sequence token added; a prompt's tokens (those starting before
+    prompt_chars) carry no loss unless train_on_inputs."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ConfigError(
@@ -216,33 +238,59 @@ def _text_records(
             "the tokenizer has no end-of-sequence token (eos_token), which ends every text sample so the "
             "model learns to stop; use a tokenizer that defines eos_token",
         )
+    encoded = tokenizer(
+        [examples[i].text for i in chosen], add_special_tokens=True, return_offsets_mapping=True
+    )
     pairs = []
-    for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]:
-        ids = [*ids, eos] if not ids or ids[-1] != eos else list(ids)
-        pairs.append((ids, ids))
+    for i, ids, offsets in zip(chosen, encoded["input_ids"], encoded["offset_mapping"], strict=True):
+        prompt = 0 if train_on_inputs else examples[i].prompt_chars
+        labels = [
+            token if start >= prompt else IGNORE for token, (start, _end) in zip(ids, offsets, strict=True)
+        ]
+        if not ids or ids[-1] != eos:
+            ids, labels = [*ids, eos], [*labels, eos]
+        pairs.append((list(ids), labels))
     return pairs
 
 
-def _chat_records(
-    tokenizer: Any, records: list[tuple[str, Any]], data_format: str
+def _chat_pairs(
+    tokenizer: Any,
+    examples: list[formats.Example],
+    places: list[str],
+    chosen: list[int],
+    key: str,
+    train_on_inputs: bool,
 ) -> list[tuple[list[int], list[int]]]:
     rendered, all_spans = [], []
-    for where, record in records:
-        text, spans = render(tokenizer, normalize(record, data_format, where), where)
+    tool_calls = renders_tool_calls(tokenizer)
+    for i in chosen:
+        messages = examples[i].messages
+        for number, message in enumerate(messages):
+            if "tool_calls" in message and not tool_calls:
+                raise ConfigError(
+                    key,
+                    f"{places[i]}: message {number} has tool_calls, which the chat template does not render "
+                    "(they would be trained as an empty reply); use a template that renders tool calls "
+                    "(data.chat_template: tokenizer of a tool-calling model, or a Jinja file), or write the "
+                    "call as the message's content",
+                )
+        text, spans = render(tokenizer, messages, places[i], key)
         rendered.append(text)
         all_spans.append(spans)
     # The template already wrote the special tokens (a BOS included, where it has one).
     encoded = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
     return [
-        (ids, assistant_labels(ids, offsets, spans))
+        (ids, list(ids) if train_on_inputs else assistant_labels(ids, offsets, spans))
         for ids, offsets, spans in zip(
             encoded["input_ids"], encoded["offset_mapping"], all_spans, strict=True
         )
     ]
 
 
-def _fit(pairs: list, data_format: str, records: int, max_length: int, overlong: str) -> Tokenized:
-    result = Tokenized(samples=from_lists([]), data_format=data_format, records=records)
+def _fit(
+    pairs: list, data_format: str, records: int, max_length: int, overlong: str, weight: float = 1.0
+) -> Tokenized:
+    result = Tokenized(samples=from_lists([]), data_format=data_format, records=records, weight=weight)
     kept = []
     for ids, labels in pairs:
         if len(ids) > max_length:

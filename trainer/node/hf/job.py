@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from trainer.node.config import TrainerConfig
+    from trainer.node.data import DataConfig
     from trainer.node.distributed import Topology
     from trainer.node.engines import Engine
     from trainer.node.hf.batches import EvalBatches, FinetuneBatches
@@ -79,7 +80,7 @@ class FineTune:
             target_modules=target_modules,
             notes=notes,
             facts=data.facts,
-            identity=_identity(source, tokenizer, config.data.path),
+            identity=_identity(source, tokenizer, config.data),
         )
 
     def parameter_counts(self) -> tuple[int, int]:
@@ -235,12 +236,14 @@ TOKENIZER_FILES = (
 )
 
 
-def _identity(source: str, tokenizer: Any, data_path: str) -> dict[str, Any]:
+def _identity(source: str, tokenizer: Any, data: DataConfig) -> dict[str, Any]:
     """The vocabulary (token to id), the tokenizer's files (or, for a hub id, its serialized form) and
-    the data file, by content: a resume refuses a change it was not told to accept."""
+    the data (every source: files, directories, s3 objects, hub revisions), by content: a resume refuses
+    a change it was not told to accept."""
     import json
 
-    from trainer.node.checkpoint import content_hash, file_hash
+    from trainer.node.checkpoint import content_hash
+    from trainer.node.hf.sources import data_identity
 
     vocabulary = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     directory = Path(source)
@@ -249,14 +252,10 @@ def _identity(source: str, tokenizer: Any, data_path: str) -> dict[str, Any]:
         tokenizer_hash = content_hash(*(part for n in names for part in (n, (directory / n).read_bytes())))
     else:
         tokenizer_hash = content_hash(tokenizer.backend_tokenizer.to_str())
-    if data_path:
-        data_hash = file_hash(Path(data_path).expanduser())
-    else:
-        data_hash = content_hash(dataset.read_source("")[1] or "")
     return {
         "vocabulary": {"size": len(vocabulary), "sha256": content_hash(json.dumps(vocabulary))},
         "tokenizer": {"source": source, "sha256": tokenizer_hash},
-        "data": {"path": data_path or "the bundled text", "sha256": data_hash},
+        "data": data_identity(data),
     }
 
 

@@ -1,5 +1,5 @@
-"""The data half of a fine-tune: data.path (and data.eval_path) to the train and eval samples and the
-rows a micro-batch draws from, with the notes for the log and the data section of run.json.
+"""The data half of a fine-tune: data.path or data.datasets (and data.eval_path) to the train and eval
+samples and the rows a micro-batch draws from, with the notes for the log and the data section of run.json.
 
 One function, `build_training_data`, so that what it depends on (the config and the tokenizer) and what
 it produces (`TrainingData`) are in one place: the unit that is prepared once and reused.
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainer.configerror import ConfigError
-from trainer.node.hf import dataset
+from trainer.node.hf import dataset, sources
 from trainer.node.hf.packing import Rows, one_per_row, pack
 
 if TYPE_CHECKING:
@@ -32,37 +32,37 @@ class TrainingData:
 
 
 def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
-    """Read, tokenize, split and pack; ConfigError naming the key (and the record) for bad input."""
+    """Read, tokenize, mix, split and pack; ConfigError naming the key (and the record) for bad input."""
     data = config.data
     max_length = config.model.max_length
-    notes = []
-    tokenized = dataset.tokenize(
-        tokenizer,
-        data.path,
-        data_format=data.format,
-        max_length=max_length,
-        overlong=data.overlong,
-    )
-    if tokenized.template_note:
-        notes.append(tokenized.template_note)
-    notes.append(tokenized.summary(data.path or "the bundled text", max_length, data.overlong))
-    train, held_out = tokenized.samples, None
-    if data.eval_path:
-        evaluated = dataset.tokenize(
-            tokenizer,
-            data.eval_path,
-            data_format=tokenized.data_format,
-            max_length=max_length,
-            overlong=data.overlong,
-            key="data.eval_path",
-        )
-        notes.append("eval " + evaluated.summary(data.eval_path, max_length, data.overlong))
-        held_out = evaluated.samples
+    settings = {
+        "max_length": max_length,
+        "overlong": data.overlong,
+        "chat_template": data.chat_template,
+        "train_on_inputs": data.train_on_inputs,
+        "endpoint": data.s3_endpoint_url,
+    }
+    notes: list[str] = []
+    parts = []
+    for index, source in enumerate(sources.data_sources(data)):
+        # Each source draws its weighted share with its own seed: adding a dataset leaves the others'.
+        tokenized = dataset.tokenize_source(tokenizer, source, seed=config.train.seed + index, **settings)
+        notes += [note for note in (tokenized.template_note, tokenized.format_note) if note]
+        notes.append(tokenized.summary(source.name, max_length, data.overlong))
+        parts.append((source, tokenized))
+    if len(parts) > 1:
+        notes.append(_mix_line(parts))
+    train, held_out = dataset.concatenate([tokenized.samples for _, tokenized in parts]), None
+    evaluated = sources.eval_source(data, parts[0][1].data_format)
+    if evaluated is not None:
+        tokenized_eval = dataset.tokenize_source(tokenizer, evaluated, seed=config.train.seed, **settings)
+        notes.append("eval " + tokenized_eval.summary(evaluated.name, max_length, data.overlong))
+        held_out = tokenized_eval.samples
     elif data.eval_fraction > 0:
         train, held_out = dataset.split_eval(train, data.eval_fraction, config.train.seed)
     if len(train) == 0:
-        summary = tokenized.summary(data.path, max_length, data.overlong)
-        raise ConfigError("data.path", f"no sample is left to train on ({summary})")
+        summary = "; ".join(t.summary(s.name, max_length, data.overlong) for s, t in parts)
+        raise ConfigError(parts[0][0].key, f"no sample is left to train on ({summary})")
     if data.packing:
         rows = pack(train.lengths(), max_length)
         fill = train.lengths().sum() / (len(rows) * max_length)
@@ -72,20 +72,36 @@ def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
         )
     else:
         rows = one_per_row(len(train))
+    formats_used = sorted({tokenized.data_format for _, tokenized in parts})
     facts = {
-        "path": data.path or "pydoc_data.topics (bundled)",
-        "format": tokenized.data_format,
-        "records": tokenized.records,
+        "path": " + ".join(source.name for source, _ in parts)
+        if data.path or data.datasets
+        else "pydoc_data.topics (bundled)",
+        "format": formats_used[0] if len(formats_used) == 1 else ", ".join(formats_used),
+        "records": sum(tokenized.records for _, tokenized in parts),
         "samples": len(train),
         "rows": len(rows),
         "tokens": int(train.lengths().sum()),
         "trained_tokens": int(train.label_counts().sum()),
-        "truncated": tokenized.truncated,
-        "dropped": tokenized.dropped_overlong + tokenized.dropped_untrained,
+        "truncated": sum(tokenized.truncated for _, tokenized in parts),
+        "dropped": sum(t.dropped_overlong + t.dropped_untrained for _, t in parts),
         "eval_samples": len(held_out) if held_out is not None else 0,
         "packing": data.packing,
         "max_length": max_length,
+        "train_on_inputs": data.train_on_inputs,
+        "chat_template": data.chat_template,
     }
+    if len(parts) > 1:
+        facts["datasets"] = [
+            {
+                "path": source.name,
+                "format": tokenized.data_format,
+                "weight": source.weight,
+                "records": tokenized.records,
+                "samples": len(tokenized.samples),
+            }
+            for source, tokenized in parts
+        ]
     return TrainingData(
         train=train,
         eval=held_out if held_out is not None and len(held_out) else None,
@@ -93,3 +109,12 @@ def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
         notes=notes,
         facts=facts,
     )
+
+
+def _mix_line(parts: list[tuple[sources.DataSource, dataset.Tokenized]]) -> str:
+    total = sum(len(tokenized.samples) for _, tokenized in parts) or 1
+    shares = ", ".join(
+        f"{source.name} {len(tokenized.samples)} ({len(tokenized.samples) / total:.0%})"
+        for source, tokenized in parts
+    )
+    return f"data mix: {len(parts)} datasets, {total} samples: {shares}"

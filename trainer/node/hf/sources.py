@@ -1,0 +1,519 @@
+"""Where a fine-tune's data comes from: data.path (or each entry of data.datasets, or data.eval_path)
+resolved into a `DataSource`, read through Hugging Face `datasets`, and fingerprinted by content.
+
+What a path may be (the suffix decides, a compression suffix such as `.gz` aside):
+- `.json` / `.jsonl` / `.ndjson`, `.csv` / `.tsv`, `.parquet`, `.arrow`: records, read by the `datasets`
+  builder of that name (a glob such as `data/*.parquet` too);
+- `.txt` / `.md` / `.text`: plain text, cut into model.max_length pieces (every token trained);
+- a directory: a `Dataset.save_to_disk` directory (DatasetDict: data.split), else a directory of data
+  files that `datasets` reads as a dataset (a hub snapshot);
+- `s3://bucket/key`: any of the above on S3 or an S3-compatible store (data.s3_endpoint_url or
+  AWS_ENDPOINT_URL), through fsspec's s3fs as `datasets` reads it; credentials from the standard AWS
+  variables or profile only;
+- `org/name` that is no local path: a hub dataset id, where a hub is reachable;
+- '' : the bundled English text of the standard library (`pydoc_data.topics`), as plain text.
+Anything else is refused by name before training (a file of another kind is never trained as text).
+
+This module is loaded with the config on the controller: `datasets`, `s3fs` and numpy are imported
+inside the functions that read.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.configerror import ConfigError
+from trainer.node.checkpoint import content_hash, file_hash
+from trainer.redaction import has_url_credentials
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from trainer.node.config import TrainerConfig
+    from trainer.node.data import DataConfig
+
+#: data.datasets entries' keys, and the names other tools give them (answered, not accepted).
+ENTRY_KEYS = ("path", "format", "weight", "columns", "split")
+FOREIGN_ENTRY_KEYS = {"type": "format", "data_files": "path", "ds_type": "path (its suffix decides)"}
+FORMATS = ("auto", "alpaca", "sharegpt", "conversations", "messages", "prompt_completion", "text")
+#: Chat template settings that name a bundled template (anything else is a Jinja file's path).
+NAMED_TEMPLATES = ("tokenizer", "chatml", "llama3")
+
+BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+TEXT_SUFFIXES = (".txt", ".md", ".text")
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+#: A hub id: `org/name`, one slash, no scheme (tried only where no such local path exists).
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class DataSource:
+    path: str
+    key: str = "data.path"
+    """The config key that named it, for errors (`data.datasets[1].path`)."""
+    format: str = "auto"
+    weight: float = 1.0
+    columns: dict[str, str] = field(default_factory=dict)
+    split: str = "train"
+
+    @property
+    def name(self) -> str:
+        return self.path or "the bundled text"
+
+    @property
+    def section(self) -> str:
+        """The key of this source's settings (`data`, `data.datasets[1]`) for format and column errors."""
+        return self.key.rsplit(".", 1)[0]
+
+    @property
+    def remote(self) -> bool:
+        return self.path.startswith("s3://")
+
+
+@dataclass(frozen=True)
+class Location:
+    kind: str
+    """bundled, text, files (a builder on data files), saved (save_to_disk), folder (a directory of
+    data files) or hub."""
+    builder: str = ""
+
+
+# --- the config -----------------------------------------------------------------------------------
+
+
+def check_data_config(data: DataConfig) -> None:
+    """DataConfig's checks of the new keys (ConfigError with the key inside `data`), at config load."""
+    if data.format not in FORMATS:  # the loader checks the Literal; a direct construction may not
+        raise ConfigError("format", f"must be one of {', '.join(FORMATS)} (got {data.format!r})")
+    if data.datasets and (data.path or data.columns or data.split != "train"):
+        given = "path" if data.path else "columns" if data.columns else "split"
+        raise ConfigError(
+            given,
+            "and data.datasets are both set; use data.path (with data.columns/data.split) for one dataset, "
+            "or put every dataset, each with its own columns and split, in data.datasets",
+        )
+    for index, entry in enumerate(data.datasets):
+        _check_entry(index, entry)
+    _check_columns("columns", data.columns)
+    for key, value in (("path", data.path), ("eval_path", data.eval_path), ("s3_endpoint_url",
+                       data.s3_endpoint_url)):  # fmt: skip
+        _refuse_credentials(key, value)
+    if data.s3_endpoint_url and not re.match(r"https?://", data.s3_endpoint_url):
+        raise ConfigError(
+            "s3_endpoint_url", f"must be an http:// or https:// URL (got {data.s3_endpoint_url!r})"
+        )
+
+
+def _check_entry(index: int, entry: Any) -> None:
+    key = f"datasets[{index}]"
+    if not isinstance(entry, dict):
+        raise ConfigError(
+            key, f"must be a mapping such as {{path: data.jsonl, format: alpaca}} (got {entry!r})"
+        )
+    for name in entry:
+        if name not in ENTRY_KEYS:
+            ours = FOREIGN_ENTRY_KEYS.get(name)
+            close = difflib.get_close_matches(str(name), ENTRY_KEYS, n=1)
+            hint = f"; {name} is {ours} here" if ours else f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"{key}.{name}", f"unknown key{hint} (known: {', '.join(ENTRY_KEYS)})")
+    path = entry.get("path")
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"{key}.path", f"must be a non-empty path, s3:// URL or hub id (got {path!r})")
+    _refuse_credentials(f"{key}.path", path)
+    if entry.get("format", "auto") not in FORMATS:
+        raise ConfigError(f"{key}.format", f"must be one of {', '.join(FORMATS)} (got {entry['format']!r})")
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+        raise ConfigError(
+            f"{key}.weight",
+            f"must be a number above 0: how many times each record is trained per epoch (got {weight!r})",
+        )
+    if not isinstance(entry.get("split", "train"), str):
+        raise ConfigError(f"{key}.split", f"must be a split name such as train (got {entry['split']!r})")
+    _check_columns(f"{key}.columns", entry.get("columns", {}))
+
+
+def _check_columns(key: str, columns: Any) -> None:
+    if not isinstance(columns, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in columns.items()
+    ):
+        raise ConfigError(
+            key,
+            "must map the format's field names to your column names, e.g. {prompt: question} "
+            f"(got {columns!r})",
+        )
+
+
+def _refuse_credentials(key: str, value: str) -> None:
+    if has_url_credentials(value):
+        raise ConfigError(
+            key,
+            "holds a credential (user:secret@ or a token parameter); never put one in the config, which is "
+            "logged and passed on command lines: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or "
+            "AWS_PROFILE) in the nodes' environment and give the path without it",
+        )
+
+
+def data_sources(data: DataConfig) -> list[DataSource]:
+    """The training sources, in config order: data.datasets, else data.path alone."""
+    if not data.datasets:
+        return [DataSource(data.path, "data.path", data.format, 1.0, dict(data.columns), data.split)]
+    return [
+        DataSource(
+            path=entry["path"],
+            key=f"data.datasets[{index}].path",
+            format=entry.get("format", data.format),
+            weight=float(entry.get("weight", 1.0)),
+            columns=dict(entry.get("columns", {})),
+            split=entry.get("split", "train"),
+        )
+        for index, entry in enumerate(data.datasets)
+    ]
+
+
+def eval_source(data: DataConfig, train_format: str) -> DataSource | None:
+    """data.eval_path read as the training data's format (and its column mapping when there is one
+    dataset), or None."""
+    if not data.eval_path:
+        return None
+    columns = dict(data.columns) if not data.datasets else {}
+    return DataSource(data.eval_path, "data.eval_path", train_format, 1.0, columns, data.split)
+
+
+# --- locating and reading -------------------------------------------------------------------------
+
+
+def _suffix(path: str) -> str:
+    name = path.rstrip("/").rsplit("/", 1)[-1].lower()
+    for compression in COMPRESSIONS:
+        name = name.removesuffix(compression)
+    return Path(name).suffix
+
+
+def storage_options(endpoint: str) -> dict[str, Any]:
+    """fsspec's options for s3:// paths: the endpoint only; botocore finds the credentials (environment,
+    profile, instance role) and AWS_ENDPOINT_URL itself. A fresh dict per call: `datasets` adds to it."""
+    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+
+
+def locate(source: DataSource, endpoint: str = "") -> Location:
+    """What kind of data source.path is; ConfigError naming source.key for what cannot be read."""
+    path = source.path
+    if not path:
+        return Location("bundled")
+    suffix = _suffix(path)
+    if suffix in TEXT_SUFFIXES:
+        return Location("text")
+    if suffix in BUILDERS:
+        return Location("files", BUILDERS[suffix])
+    if source.remote:
+        if suffix:
+            raise _unknown_kind(source, suffix)
+        return Location("saved")  # a prefix: read as a save_to_disk directory (refused by name if not)
+    local = Path(path).expanduser()
+    if local.is_dir():
+        saved = (local / "dataset_info.json").is_file() and (local / "state.json").is_file()
+        return Location("saved" if saved or (local / "dataset_dict.json").is_file() else "folder")
+    if local.is_file():
+        return _sniff(source, local)
+    if HUB_ID.fullmatch(path) and not suffix:
+        return Location("hub")
+    raise ConfigError(source.key, f"no such file or directory: {local}")
+
+
+def _sniff(source: DataSource, local: Path) -> Location:
+    """A local file whose suffix says nothing: parquet by its magic bytes, JSON by its first character,
+    plain text if it is UTF-8, else refused by name."""
+    with open(local, "rb") as handle:
+        head = handle.read(4096)
+    if head.startswith(b"PAR1"):
+        return Location("files", "parquet")
+    if head.lstrip()[:1] in (b"{", b"["):
+        return Location("files", "json")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(head) - 4:  # not a character cut at the end of the sample
+            raise _unknown_kind(source, local.suffix or "(none)") from None
+    return Location("text")
+
+
+def _unknown_kind(source: DataSource, suffix: str) -> ConfigError:
+    return ConfigError(
+        source.key,
+        f"{source.path}: cannot tell what kind of data a {suffix} file is; give it the suffix of what it "
+        f"holds: {', '.join(BUILDERS)} (records), {', '.join(TEXT_SUFFIXES)} (plain text), or a "
+        "save_to_disk directory",
+    )
+
+
+@dataclass
+class Loaded:
+    """What a source holds: records (a `datasets.Dataset`, columns mapped) or one plain text."""
+
+    source: DataSource
+    records: Dataset | None = None
+    text: str | None = None
+
+
+def bundled_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def read(source: DataSource, endpoint: str = "") -> Loaded:
+    """Read a source; ConfigError naming source.key (and the reason) for anything that cannot be."""
+    location = locate(source, endpoint)
+    if location.kind == "bundled":
+        return Loaded(source, text=bundled_text())
+    if location.kind == "text":
+        return Loaded(source, text=_read_text(source, endpoint))
+    import datasets
+
+    # Every rank would draw its own progress bars and cache notes into the one log.
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        records = _load(datasets, source, location, endpoint)
+    except ConfigError:
+        raise
+    except Exception as err:  # datasets, pyarrow, fsspec and botocore each raise their own
+        raise _read_error(source, location, err) from None
+    return Loaded(source, records=_map_columns(records, source))
+
+
+def _load(datasets: Any, source: DataSource, location: Location, endpoint: str) -> Dataset:
+    options = storage_options(endpoint) if source.remote else None
+    if location.kind == "files":
+        extra = {"sep": "\t"} if _suffix(source.path) == ".tsv" else {}
+        path = source.path if source.remote else str(Path(source.path).expanduser())
+        return datasets.load_dataset(
+            location.builder, data_files=path, split=source.split, storage_options=options, **extra
+        )
+    if location.kind == "saved":
+        path = source.path if source.remote else str(Path(source.path).expanduser())
+        loaded = datasets.load_from_disk(path, storage_options=options)
+        if isinstance(loaded, datasets.DatasetDict):
+            if source.split not in loaded:
+                raise ConfigError(
+                    f"{source.section}.split",
+                    f"{source.path} has the splits {', '.join(loaded)}, not {source.split!r}; set "
+                    f"{source.section}.split to one of them",
+                )
+            return loaded[source.split]
+        return loaded
+    if location.kind == "folder":
+        return datasets.load_dataset(str(Path(source.path).expanduser()), split=source.split)
+    return datasets.load_dataset(source.path, split=source.split)  # a hub id
+
+
+def _read_text(source: DataSource, endpoint: str) -> str:
+    if source.remote:
+        import fsspec
+
+        try:
+            with fsspec.open(source.path, "rb", **storage_options(endpoint)) as handle:
+                raw = handle.read()
+        except Exception as err:
+            raise _read_error(source, Location("text"), err) from None
+    else:
+        local = Path(source.path).expanduser()
+        if not local.is_file():
+            raise ConfigError(source.key, f"no such file: {local}")
+        raw = local.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            source.key, f"cannot read {source.path} as UTF-8 text (byte {err.start}): {err.reason}"
+        ) from None
+
+
+def _read_error(source: DataSource, location: Location, err: BaseException) -> ConfigError:
+    cause = err.__cause__ or err.__context__ if type(err).__name__ == "DatasetGenerationError" else err
+    reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(err)
+    reason = reason.strip().splitlines()[0] if reason.strip() else type(err).__name__
+    name = type(err).__name__
+    if source.remote and ("NoCredentials" in name or "NoCredentials" in reason):
+        return ConfigError(
+            source.key,
+            f"no AWS credentials to read {source.path}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(or AWS_PROFILE) in the environment of every node",
+        )
+    if location.kind == "hub":
+        return ConfigError(
+            source.key,
+            f"{source.path!r} is not a local file or directory, and loading it as a hub dataset id failed "
+            f"({reason}); where no hub is reachable, download it elsewhere "
+            f"(huggingface-cli download --repo-type dataset {source.path} --local-dir DIR), copy DIR to the "
+            "cluster's shared dir and set the path to DIR",
+        )
+    if location.kind == "saved" and source.remote and isinstance(err, FileNotFoundError):
+        return ConfigError(
+            source.key,
+            f"{source.path} is neither a data file (name it .jsonl, .json, .csv, .parquet, .arrow or .txt) "
+            f"nor a save_to_disk directory ({reason})",
+        )
+    what = {
+        "files": f"{location.builder} records",
+        "saved": "a save_to_disk directory",
+        "folder": "a directory of data files (json, jsonl, csv, parquet, arrow)",
+        "text": "text",
+    }[location.kind]
+    return ConfigError(source.key, f"cannot read {source.path} as {what}: {reason}")
+
+
+def _map_columns(records: Dataset, source: DataSource) -> Dataset:
+    if not source.columns:
+        return records
+    present = records.column_names
+    for ours, theirs in source.columns.items():
+        if theirs not in present:
+            raise ConfigError(
+                f"{source.section}.columns",
+                f"{source.path} has no column {theirs!r} to read as {ours!r} (its columns: "
+                f"{', '.join(present)}); name one of them",
+            )
+    # The mapping says which column is meant: one already called that is the other, unused one.
+    shadowed = [ours for ours in source.columns if ours in present and ours not in source.columns.values()]
+    if shadowed:
+        records = records.remove_columns(shadowed)
+    return records.rename_columns({theirs: ours for ours, theirs in source.columns.items() if ours != theirs})
+
+
+# --- fingerprints ---------------------------------------------------------------------------------
+
+
+def content_fingerprint(source: DataSource, endpoint: str = "") -> dict[str, Any]:
+    """What the bytes of a source are: a sha256 of a local file or directory, ETags and sizes of
+    s3 objects, a hub dataset's revision. ConfigError as `read` for a source that cannot be read."""
+    location = locate(source, endpoint)
+    if location.kind == "bundled":
+        return {"sha256": content_hash(bundled_text())}
+    if source.remote:
+        return _s3_fingerprint(source, endpoint)
+    if location.kind == "hub":
+        return _hub_fingerprint(source)
+    local = Path(source.path).expanduser()
+    if local.is_file():
+        return {"sha256": file_hash(local)}
+    files = (
+        sorted(p for p in local.rglob("*") if p.is_file() and not _hidden(p.relative_to(local)))
+        if local.is_dir()
+        else sorted(p for p in local.parent.glob(local.name) if p.is_file())
+    )
+    base = local if local.is_dir() else local.parent
+    return {
+        "sha256": content_hash(*(part for p in files for part in (str(p.relative_to(base)), file_hash(p)))),
+        "files": len(files),
+    }
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def _s3_fingerprint(source: DataSource, endpoint: str) -> dict[str, Any]:
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(source.path, **storage_options(endpoint))
+        if any(c in path for c in "*?["):
+            found = fs.glob(path, detail=True)
+        elif fs.isdir(path):
+            found = fs.find(path, detail=True)
+        else:
+            found = {path: fs.info(path)}
+    except Exception as err:
+        raise _read_error(source, Location("files" if _suffix(source.path) else "saved", "s3"), err) from None
+    objects = [
+        (name, str(info.get("ETag", "")).strip('"'), int(info.get("size") or 0))
+        for name, info in sorted(found.items())
+        if info.get("type") != "directory"
+    ]
+    if not objects:
+        raise ConfigError(source.key, f"{source.path}: no such object or prefix")
+    return {"etag_sha256": content_hash(json.dumps(objects)), "objects": len(objects)}
+
+
+def _hub_fingerprint(source: DataSource) -> dict[str, Any]:
+    try:
+        from huggingface_hub import HfApi
+
+        return {"revision": HfApi().dataset_info(source.path).sha}
+    except Exception as err:
+        raise _read_error(source, Location("hub"), err) from None
+
+
+def template_fingerprint(setting: str) -> dict[str, str]:
+    """data.chat_template by name, or a Jinja file's path and content hash."""
+    if setting in NAMED_TEMPLATES:
+        return {"name": setting}
+    path = Path(setting).expanduser()
+    return {"path": setting, "sha256": file_hash(path) if path.is_file() else "missing"}
+
+
+def data_fingerprint(config: TrainerConfig) -> dict[str, Any]:
+    """Every input the prepared data depends on except the tokenizer (key that with the tokenizer's own
+    identity): each source's path, settings and content fingerprint, the eval source, the format, the
+    chat template, train_on_inputs, the lengths, packing and the seed (weights below 1 and the eval
+    fraction draw with it). Plain JSON-able data, the same on every node for the same data."""
+    data = config.data
+    endpoint = data.s3_endpoint_url
+
+    def described(source: DataSource) -> dict[str, Any]:
+        return {
+            "path": source.path or "the bundled text",
+            "format": source.format,
+            "weight": source.weight,
+            "columns": dict(sorted(source.columns.items())),
+            "split": source.split,
+            "content": content_fingerprint(source, endpoint),
+        }
+
+    evaluated = eval_source(data, data.format)
+    return {
+        "sources": [described(source) for source in data_sources(data)],
+        "eval": described(evaluated) if evaluated else None,
+        "eval_fraction": data.eval_fraction,
+        "format": data.format,
+        "chat_template": template_fingerprint(data.chat_template),
+        "train_on_inputs": data.train_on_inputs,
+        "overlong": data.overlong,
+        "packing": data.packing,
+        "max_length": config.model.max_length,
+        "seed": config.train.seed,
+        "s3_endpoint_url": endpoint,
+    }
+
+
+def data_identity(data: DataConfig) -> dict[str, Any]:
+    """What a checkpoint records of its training data (checkpoint.IDENTITY_KEYS): one local file (or the
+    bundled text) by its content hash, as before several sources existed; several sources, directories,
+    s3 objects and hub revisions by a hash of their content fingerprints and weights."""
+    sources = data_sources(data)
+    contents = [content_fingerprint(source, data.s3_endpoint_url) for source in sources]
+    if len(sources) == 1 and sources[0].weight == 1.0 and set(contents[0]) == {"sha256"}:
+        return {"path": sources[0].name, "sha256": contents[0]["sha256"]}
+    parts = [
+        {"path": s.path, "split": s.split, "weight": s.weight, "content": c}
+        for s, c in zip(sources, contents, strict=True)
+    ]
+    return {
+        "path": " + ".join(source.name for source in sources),
+        "sha256": content_hash(json.dumps(parts, sort_keys=True)),
+    }
