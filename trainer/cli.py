@@ -57,7 +57,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "trainer.controller.push",
         "copy a model or dataset onto the cluster's shared dir (resumable, checked); prints its config path",
     ),
-    "report": ("trainer.node.report", "draw a run's curves (loss, lr, tokens/s, step time) as PNG files"),
+    "report": (
+        "trainer.node.report",
+        "draw a run's curves (loss, lr, tokens/s, step time) as PNG files and one page, report.html",
+    ),
 }
 
 

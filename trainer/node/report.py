@@ -5,6 +5,8 @@ when the records carry per-node step times), drawn with matplotlib's Agg rendere
 served or shown. rank 0 writes the same report at the end of every run (trainer.node.metrics.Reporter);
 this verb redraws it for any run directory, also on the controller (no torch needed).
 
+`report.html` beside them is the one page to open (trainer.node.report_html): the same pictures inlined,
+the run's numbers, per-node throughput, data summary, launches and restarts, and the resolved config.
 `report.json` beside the PNGs names each picture and the step and value range of every line drawn in it,
 for tools (and tests) that check a picture without looking at it.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer import exitcodes
+from trainer.node.report_html import HTML_FILE, write_html
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -117,7 +120,7 @@ def write_report(run_dir: Path) -> list[Path]:
 
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
-    written, described = [], {}
+    written, described, pictures = [], {}, []
     for curve in curves(records):
         fig = figure(curve, run_dir.resolve().name)
         FigureCanvasAgg(fig)
@@ -126,6 +129,7 @@ def write_report(run_dir: Path) -> list[Path]:
         fig.savefig(tmp, format="png")
         tmp.replace(path)
         written.append(path)
+        pictures.append((curve.file, curve.title))
         described[curve.file] = {
             "title": curve.title,
             "ylabel": curve.ylabel,
@@ -141,10 +145,13 @@ def write_report(run_dir: Path) -> list[Path]:
     tmp = run_dir / f".{REPORT_FILE}.tmp"
     tmp.write_text(json.dumps({"records": len(records), "pictures": described}, indent=2) + "\n")
     tmp.replace(run_dir / REPORT_FILE)
+    if records:
+        # Not in the list returned: its callers print the pictures (and report.json) by that list.
+        write_html(run_dir, records, pictures)
     return written
 
 
-EXAMPLES = ("trainer report /shared/runs/qwen-lora  # loss, lr, tokens/s, step time as PNGs in the run dir",)
+EXAMPLES = ("trainer report /shared/runs/qwen-lora  # curves as PNGs and report.html, in the run dir",)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -181,4 +188,5 @@ def run(args: argparse.Namespace) -> int:
     for path in written:
         print(path)
     print(run_dir / REPORT_FILE)
+    print(f"the run on one page: {run_dir / HTML_FILE}", file=sys.stderr)
     return exitcodes.OK
