@@ -13,7 +13,7 @@ ARGS      ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 PIP := $(BIN)/pip install -q --disable-pip-version-check
 
-.PHONY: help install install-train install-dev install-mitogen system-deps train provision preflight up test test-fast molecule test-vm lint bench clean
+.PHONY: help install install-train install-dev install-mitogen system-deps train provision preflight up test test-fast molecule test-vm lint bench docs docs-gen clean
 
 help:
 	@echo "make install     the controller: Ansible, ansible-runner (no torch)"
@@ -22,6 +22,7 @@ help:
 	@echo "make provision   ansible-playbook site.yml -i INVENTORY (FULL=1: every role, even on a converged cluster)"
 	@echo "make preflight   check the cluster before a launch (report in output/preflight.json)"
 	@echo "make up          provision, preflight's probe pass and launch in one go (trainer up)"
+	@echo "make docs        the docs site, strict (build/site); make docs-gen regenerates docs/reference"
 	@echo "make lint | bench | molecule | test-vm | install-train | install-dev | clean"
 
 # Who needs what (scripts/system-packages.txt has the Debian packages, pyproject.toml the Python ones):
@@ -97,6 +98,15 @@ test: lint test-fast molecule
 
 bench: install-dev
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# The docs site, strict: a broken link or anchor, or a page left out of the nav, fails (mkdocs.yml).
+docs: install-dev
+	$(BIN)/mkdocs build --strict --quiet
+
+# The reference pages generated from the code (the CLI's parsers, the config's docstrings, the roles'
+# argument_specs); tests/test_docs.py fails when the committed ones are out of date.
+docs-gen: install-dev
+	$(BIN)/python scripts/gen_docs.py
 
 clean:
 	rm -rf $(VENV) output .pytest_cache .ruff_cache
