@@ -113,11 +113,14 @@ def test_push_copies_as_the_training_account_and_a_second_push_copies_nothing(cl
     print(f"first push {first_s:.1f} s, second push {second_s:.1f} s")
 
 
-def test_an_interrupted_push_resumes_where_it_stopped(cluster, tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c", "term"])
+def test_an_interrupted_push_resumes_where_it_stopped(cluster, tmp_path, how):
+    """Ctrl-C at a terminal (SIGINT to the whole process group) or TERM to trainer push alone (a
+    scheduler, `kill`): rsync keeps what it copied either way."""
     inventory, shared, _ = cluster
     data = tmp_path / "big.bin"
     data.write_bytes(os.urandom(16_000_000))
-    # At 2 MB/s the copy takes 8 s: time to interrupt it halfway, as Ctrl-C at a terminal does.
+    # At 2 MB/s the copy takes 8 s: time to interrupt it on the way.
     command = [sys.executable, "-m", "trainer", "push", "-i", str(inventory), str(data), "--bwlimit", "2000"]
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -129,7 +132,10 @@ def test_an_interrupted_push_resumes_where_it_stopped(cluster, tmp_path):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no partial file grew within 60 s"
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGINT)
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.terminate()
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err
     assert "run the same command again" in err
