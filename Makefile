@@ -101,7 +101,7 @@ bench: install-dev
 
 # The docs site, strict: a broken link or anchor, or a page left out of the nav, fails (mkdocs.yml).
 docs: install-dev
-	$(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # The reference pages generated from the code (the CLI's parsers, the config's docstrings, the roles'
 # argument_specs); tests/test_docs.py fails when the committed ones are out of date.
