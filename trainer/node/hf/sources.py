@@ -215,6 +215,11 @@ def locate(source: DataSource, endpoint: str = "") -> Location:
     if not path:
         return Location("bundled")
     suffix = _suffix(path)
+    local = Path(path).expanduser()
+    if not source.remote and not local.exists() and not any(c in path for c in "*?["):
+        if HUB_ID.fullmatch(path) and not suffix:
+            return Location("hub")
+        raise ConfigError(source.key, f"no such file or directory: {local}")
     if suffix in TEXT_SUFFIXES:
         return Location("text")
     if suffix in BUILDERS:
@@ -223,15 +228,10 @@ def locate(source: DataSource, endpoint: str = "") -> Location:
         if suffix:
             raise _unknown_kind(source, suffix)
         return Location("saved")  # a prefix: read as a save_to_disk directory (refused by name if not)
-    local = Path(path).expanduser()
     if local.is_dir():
         saved = (local / "dataset_info.json").is_file() and (local / "state.json").is_file()
         return Location("saved" if saved or (local / "dataset_dict.json").is_file() else "folder")
-    if local.is_file():
-        return _sniff(source, local)
-    if HUB_ID.fullmatch(path) and not suffix:
-        return Location("hub")
-    raise ConfigError(source.key, f"no such file or directory: {local}")
+    return _sniff(source, local)
 
 
 def _sniff(source: DataSource, local: Path) -> Location:
@@ -245,9 +245,12 @@ def _sniff(source: DataSource, local: Path) -> Location:
         return Location("files", "json")
     try:
         head.decode("utf-8")
+        binary = b"\x00" in head
     except UnicodeDecodeError as err:
-        if err.start < len(head) - 4:  # not a character cut at the end of the sample
-            raise _unknown_kind(source, local.suffix or "(none)") from None
+        # A character cut at the end of a full sample is still text.
+        binary = len(head) < 4096 or err.start < len(head) - 4
+    if binary:
+        raise _unknown_kind(source, local.suffix or "(none)")
     return Location("text")
 
 
