@@ -52,6 +52,17 @@ def md_text(text: str) -> str:
     return "".join(out)
 
 
+def table_cell(markdown: str) -> str:
+    """Markdown made safe inside a table cell: a `|` outside code spans would end the cell (inside them
+    the table reads it as text, and an escape there would show)."""
+    out, last = [], 0
+    for match in _CODE_SPAN.finditer(markdown):
+        out += [markdown[last : match.start()].replace("|", "\\|"), match.group(0)]
+        last = match.end()
+    out.append(markdown[last:].replace("|", "\\|"))
+    return "".join(out)
+
+
 def paragraph(text: str) -> str:
     """A docstring's lines as one Markdown paragraph per blank-line-separated block."""
     blocks = [" ".join(line.strip() for line in block.splitlines()) for block in text.strip().split("\n\n")]
@@ -104,7 +115,7 @@ def _option_rows(parser: argparse.ArgumentParser) -> Iterable[str]:
         meaning = md_text(" ".join(machine_free(help_text).split()))
         if details:
             meaning = f"{meaning} ({'; '.join(details)})" if meaning else "; ".join(details)
-        yield f"| {code(name)} | {meaning.replace('|', chr(92) + '|')} |"
+        yield f"| {code(name)} | {table_cell(meaning)} |"
 
 
 def _parser_section(parser: argparse.ArgumentParser, heading: str, note: str = "") -> list[str]:
@@ -151,7 +162,10 @@ def cli_page() -> str:
         "",
         "| verb | what it does |",
         "|---|---|",
-        *(f"| [`{verb}`](#trainer-{verb}) | {md_text(text)} |" for verb, (_, text) in cli.COMMANDS.items()),
+        *(
+            f"| [`{verb}`](#trainer-{verb}) | {table_cell(md_text(text))} |"
+            for verb, (_, text) in cli.COMMANDS.items()
+        ),
         "",
     ]
     for verb in cli.COMMANDS:
