@@ -108,7 +108,7 @@ def _option_rows(parser: argparse.ArgumentParser) -> Iterable[str]:
         default = action.default
         if (
             action.option_strings
-            and default not in (None, False, [], argparse.SUPPRESS)
+            and not (default is None or default is False or default in ([], "", argparse.SUPPRESS))
             and "default" not in help_text.lower()
         ):
             details.append("default " + code(machine_free(str(default))))
