@@ -435,6 +435,7 @@ def _s3_fingerprint(source: DataSource, endpoint: str) -> dict[str, Any]:
 
     try:
         fs, path = fsspec.core.url_to_fs(source.path, **storage_options(endpoint))
+        fs.invalidate_cache()  # s3fs keeps listings per process: an object rewritten since must show
         if any(c in path for c in "*?["):
             found = fs.glob(path, detail=True)
         elif fs.isdir(path):
