@@ -122,6 +122,10 @@ class TrainerConfig:
                 ("data.eval_fraction", self.data.eval_fraction > 0),
                 ("data.eval_path", bool(self.data.eval_path)),
                 ("data.format", self.data.format not in ("auto", "text")),
+                ("data.datasets", bool(self.data.datasets)),
+                ("data.columns", bool(self.data.columns)),
+                ("data.chat_template", self.data.chat_template != "tokenizer"),
+                ("data.train_on_inputs", self.data.train_on_inputs),
                 ("train.gradient_checkpointing", self.train.gradient_checkpointing),
             ):
                 require(
