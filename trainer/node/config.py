@@ -423,7 +423,10 @@ def config_keys(cls: type = TrainerConfig, prefix: str = "") -> list[tuple[str, 
             default = f.default_factory()
         else:
             default = None
-        type_name = "list of names" if typing.get_origin(tp) is list else _type_name(tp)
+        type_name = _type_name(tp)
+        if typing.get_origin(tp) is list:
+            mappings = typing.get_origin(typing.get_args(tp)[0]) is dict
+            type_name = "list of mappings" if mappings else "list of names"
         keys.append((key, type_name, default, docs.get(f.name, "")))
     return keys
 
