@@ -72,15 +72,17 @@ def check_optimizer(config: TrainConfig, *, device_type: str) -> str | None:
             )
         return "optimizer: AdamW with 8-bit state (bitsandbytes AdamW8bit)"
     if config.optimizer == "adamw_fused":
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        if device_type not in _get_fused_kernels_supported_devices():
+        try:  # torch's own list (private); without it, AdamW(fused=True) says so when it is built
+            from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as fused_devices
+        except ImportError:
+            fused_devices = None
+        if fused_devices is not None and device_type not in fused_devices():
             raise ConfigError(
                 "train.optimizer",
                 f"adamw_fused: torch {_torch_version()} has no fused AdamW kernel for {device_type}; "
                 "use train.optimizer=adamw",
             )
-        where = "one kernel on the GPU" if device_type == "cuda" else "torch's CPU kernel, no GPU involved"
+        where = "torch's CUDA kernel" if device_type == "cuda" else "torch's CPU kernel, no GPU involved"
         return f"optimizer: AdamW, fused ({where})"
     return None
 
