@@ -11,6 +11,8 @@ loading, `--set` overrides, type checks and error messages are generic.
 
 Every value is checked before anything starts: an unknown key, a wrong type or an impossible value
 raises `ConfigError` naming the key (`train.max_steps`), and `trainer train` exits with CONFIG_ERROR.
+All unknown keys of a file come in one error, another tool's names answered with the key here
+(trainer.node.config_aliases).
 """
 
 from __future__ import annotations
@@ -225,15 +227,15 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
 
 def _unknown_key(key: str, known: typing.Iterable[str]) -> ConfigError:
     name = key.rsplit(".", 1)[-1]
-    hint = config_aliases.explain(name, key)
-    if hint is None:
-        # Another tool's name is answered above, never with a near spelling (lora_rank is not lora).
-        close = difflib.get_close_matches(name, list(known), n=1)
+    # Another tool's name is answered with the key here, never with a near spelling (lora_rank: not lora).
+    theirs = config_aliases.explain(name, key)
+    if theirs is not None:
+        return ConfigError(key, f"unknown key; {theirs}")
+    close = difflib.get_close_matches(name, list(known), n=1)
+    if close:
         section = key.rsplit(".", 1)[0] + "." if "." in key else ""
-        hint = f"did you mean {section}{close[0]}?" if close else ""
-        if not close:
-            return ConfigError(key, f"unknown key (known: {', '.join(sorted(known))})")
-    return ConfigError(key, f"unknown key; {hint}")
+        return ConfigError(key, f"unknown key; did you mean {section}{close[0]}?")
+    return ConfigError(key, f"unknown key (known: {', '.join(sorted(known))})")
 
 
 def _unknown_keys(tree: Any, cls: type, prefix: str = "") -> list[ConfigError]:
