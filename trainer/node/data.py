@@ -78,6 +78,16 @@ class DataConfig:
     """Hold out this fraction of the samples (chosen with train.seed) for the eval loss; 0 = none."""
     eval_path: str = ""
     """A separate eval file in the same format as data.path ('' = none, or data.eval_fraction)."""
+    prepare_once: bool = True
+    """With a Hugging Face model: one process of the job reads, tokenizes and packs the data into
+    data.prepared_dir and every other process, on every node, waits and memory-maps it; a later run with
+    the same inputs reuses it (the log says which). false: every process prepares its own copy."""
+    prepared_dir: str = ""
+    """Where prepared data is kept, one entry per set of inputs (the data's content, the tokenizer, this
+    section, model.max_length): a directory of this account's that no other can write. '' =
+    <cluster_shared_dir>/prepared-data under `trainer launch`, else OUTPUT_DIR/prepared-data. Nodes that
+    do not share it each prepare their own copy. The 4 entries used last, and any used within a day, are
+    kept; delete it by hand (with no job running from it) to reclaim the rest."""
 
     def __post_init__(self) -> None:
         require(self.block_size >= 2, "block_size", f"must be at least 2 (got {self.block_size})")

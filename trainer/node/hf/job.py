@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.configerror import ConfigError
-from trainer.node.hf import dataset
+from trainer.node.hf import dataset, prepared
 from trainer.node.hf.model import check_source, load_model_config, load_tokenizer, pad_token_id
 from trainer.node.hf.packing import Rows, one_per_row
-from trainer.node.hf.training_data import build_training_data
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +66,8 @@ class FineTune:
         tokenizer = load_tokenizer(config.model, source)
         notes = []
         target_modules = _check_lora(config, model_config) if config.lora.enabled else None
-        data = build_training_data(config, tokenizer)
+        # One process of the job prepares the data; the others wait and memory-map it (hf/prepared.py).
+        data = prepared.training_data(config, tokenizer)
         notes.extend(data.notes)
         return cls(
             config=config,
