@@ -82,7 +82,7 @@ def test_full_finetuning_trains_and_final_loads_with_transformers(runs, name, ti
     )
     assert generate(final)  # loads with AutoModelForCausalLM/AutoTokenizer and generates
     data = run.json("run.json")["data"]
-    assert data["format"] == "conversations" and data["samples"] == 400 and data["truncated"] > 0
+    assert data["format"] == "sharegpt" and data["samples"] == 400 and data["truncated"] > 0
 
 
 @pytest.mark.parametrize("name", LORA)
