@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# One-shot GPU check of `trainer train` on a borrowed single-GPU machine (no network): environment,
+# the health monitor's NVML readings, then short bf16 runs of a random-init Qwen2 of about 0.4B
+# parameters through torchrun (1 process, nccl): full fine-tune ddp, LoRA ddp, Q-LoRA ddp, DeepSpeed
+# ZeRO-2 and ZeRO-3 (full), accelerate (full). Tokens/s, step time, peak GPU memory and MFU of each
+# in one table and in $OUT/gpu_check.json; every log in $OUT/gpu_check_logs.tar.gz.
+#
+#   bash bench/gpu_check.sh                  # on the GPU machine, from the repo root, .whl/ carried
+#   GPU_CHECK_CPU=1 bash bench/gpu_check.sh  # the same steps, tiny, on the CPU (gloo, no Q-LoRA)
+#
+# bench/gpu_prepare.sh fills .whl/ (deepspeed, pydantic, hjson, datasets, bitsandbytes...) and prints
+# the `run` call. Each step runs under `timeout`; a failed step is recorded and the next one runs; runs
+# that would start after GPU_CHECK_DEADLINE seconds (default 330) are skipped, so the whole script
+# ends within about 6 minutes. GPU_CHECK_RUNS="zero3_full accelerate_full" runs only those (a rerun).
+set -u
+cd "$(dirname "$0")/.."
+START=$SECONDS
+CPU=${GPU_CHECK_CPU:-0}
+DEADLINE=${GPU_CHECK_DEADLINE:-330}
+RUN_LIMIT=${GPU_CHECK_RUN_LIMIT:-120}
+OUT=${OUT:-/tmp/gpu_check_out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+
+# The wheels are built for the GPU machine's Python 3.12; the CPU mode uses this machine's packages.
+if [ "$CPU" != 1 ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  t0=$SECONDS
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "gpu_check: installing the carried wheels FAILED (continuing)"
+  echo "gpu_check: wheels installed in $((SECONDS - t0)) s"
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+# Work in RAM where there is room: every run writes a final checkpoint (GBs at full size).
+WORK=${GPU_CHECK_WORK:-}
+if [ -z "$WORK" ]; then
+  WORK=/tmp/gpu_check
+  if [ "$CPU" != 1 ] && [ -w /dev/shm ] && [ "$(df -Pk /dev/shm | awk 'NR==2 {print $4}')" -gt 30000000 ]; then
+    WORK=/dev/shm/gpu_check
+  fi
+fi
+rm -rf "$WORK"
+mkdir -p "$WORK/logs" "$WORK/runs"
+: >"$WORK/steps.tsv"
+echo "gpu_check: work dir $WORK, mode $([ "$CPU" = 1 ] && echo cpu || echo gpu)"
+
+if [ "$CPU" = 1 ]; then
+  MODEL_ARGS=(--hidden 64 --layers 2 --vocab 1024)
+  RECORDS=40 CHARS=1200 MAXLEN=128 MB=4 STEPS=6 LOG_EVERY=2 PRECISION=auto
+else
+  # Qwen2 layout, about 0.4B parameters: 24 layers of hidden 1024 (16 heads, 4 KV heads, MLP 4096),
+  # a 32000-row tied embedding over an 8192-token BPE tokenizer.
+  MODEL_ARGS=(--hidden 1024 --layers 24 --heads 16 --kv-heads 4 --intermediate 4096 --vocab 8192 --model-vocab 32000)
+  RECORDS=520 CHARS=5600 MAXLEN=1024 MB=16 STEPS=30 LOG_EVERY=10 PRECISION=bf16
+fi
+MODEL=$WORK/model
+DATA=$WORK/data.jsonl
+
+# step NAME LIMIT_S COMMAND...: run under timeout, log to $WORK/logs/NAME.log, record status.
+step() {
+  local name=$1 limit=$2 t0=$SECONDS rc status
+  shift 2
+  echo "--- $name (limit ${limit}s)"
+  timeout -k 10 "$limit" "$@" >"$WORK/logs/$name.log" 2>&1
+  rc=$?
+  case $rc in 0) status=ok ;; 124 | 137) status=timeout ;; *) status="rc=$rc" ;; esac
+  printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - t0))" >>"$WORK/steps.tsv"
+  tail -n 25 "$WORK/logs/$name.log"
+  echo "--- $name: $status in $((SECONDS - t0)) s"
+  return $rc
+}
+
+skip() {
+  printf '%s\t%s\t0\t%s\n' "$1" skipped "$2" >>"$WORK/steps.tsv"
+  echo "--- $1: skipped ($2)"
+}
+
+# train NAME SET...: `trainer train` (bench/gpu_check.py worker) under torchrun, 1 process.
+train() {
+  local name=$1 dir=$WORK/runs/$1 left limit smi_pid=""
+  shift
+  if [ -n "${GPU_CHECK_RUNS:-}" ] && [[ " $GPU_CHECK_RUNS " != *" $name "* ]]; then
+    skip "$name" "not in GPU_CHECK_RUNS"
+    return
+  fi
+  mkdir -p "$dir"
+  left=$((DEADLINE - (SECONDS - START)))
+  if [ "$left" -lt 45 ]; then
+    skip "$name" "deadline: ${left}s left of GPU_CHECK_DEADLINE=${DEADLINE}"
+    return
+  fi
+  limit=$((left < RUN_LIMIT ? left : RUN_LIMIT))
+  local sets=(
+    "model.name_or_path=$MODEL" "data.path=$DATA" data.format=text "model.max_length=$MAXLEN"
+    "train.max_steps=$STEPS" "train.log_every=$LOG_EVERY" "train.micro_batch_size=$MB"
+    train.gradient_accumulation_steps=1 train.learning_rate=0.0001 train.min_lr=0.00001 train.warmup_steps=5
+    "train.mixed_precision=$PRECISION" checkpoint.save_steps=0 checkpoint.resume=never
+    health.poll_interval_s=1 "output_dir=$dir/out" "$@"
+  )
+  printf '%s\n' "${sets[@]}" >"$dir/sets.txt"
+  local args=()
+  for s in "${sets[@]}"; do args+=(--set "$s"); done
+  if [ "$CPU" != 1 ] && command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=memory.used,utilization.gpu,power.draw,temperature.gpu \
+      --format=csv,noheader,nounits -lms 250 >"$dir/smi.csv" 2>/dev/null &
+    smi_pid=$!
+  fi
+  echo "--- $name (limit ${limit}s): ${*}"
+  local t0=$SECONDS rc status
+  timeout -k 10 "$limit" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+    bench/gpu_check.py worker "$dir/worker.json" -- train "${args[@]}" >"$dir/train.log" 2>&1
+  rc=$?
+  [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null
+  case $rc in 0) status=ok ;; 124 | 137) status=timeout ;; *) status="rc=$rc" ;; esac
+  printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - t0))" >>"$WORK/steps.tsv"
+  grep -E "^step |health monitor|^training |error|Error|trainer:" "$dir/train.log" | tail -n 12
+  echo "--- $name: $status in $((SECONDS - t0)) s"
+  # The checkpoint and the final model are GBs: gone before the next run (metrics, run.json stay).
+  rm -rf "$dir/out/checkpoints" "$dir/out/final"
+}
+
+{
+  echo "== nvidia-smi -L"
+  timeout 30 nvidia-smi -L 2>&1 || echo "nvidia-smi: unavailable"
+} | tee "$WORK/logs/nvidia_smi.log"
+step env 90 "$PY" bench/gpu_check.py env "$WORK/env.json"
+step health 60 "$PY" bench/gpu_check.py health "$WORK/health.json"
+step build_model 150 "$PY" scripts/build_tiny_hf_model.py model "$MODEL" "${MODEL_ARGS[@]}"
+step build_data 60 "$PY" bench/gpu_check.py data "$DATA" --records "$RECORDS" --chars "$CHARS"
+
+# A JIT op build (DeepSpeed's shm_comm on the CPU) killed by a timeout leaves a lock every later
+# load waits on forever: the project's own tool removes the locks nobody holds.
+timeout 30 "$PY" -m trainer.torch_extensions remove-stale >"$WORK/logs/remove_stale.log" 2>&1
+
+if [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
+  train ddp_full distributed.engine=ddp
+  train ddp_lora distributed.engine=ddp lora.enabled=true lora.r=16 lora.alpha=32
+  if [ "$CPU" = 1 ]; then
+    skip qlora_ddp "CPU mode: 4-bit bitsandbytes runs on CUDA GPUs only"
+  else
+    train qlora_ddp distributed.engine=ddp lora.enabled=true lora.r=16 lora.alpha=32 lora.qlora=true
+  fi
+  train zero2_full distributed.engine=deepspeed distributed.zero_stage=2
+  train zero3_full distributed.engine=deepspeed distributed.zero_stage=3
+  train accelerate_full distributed.engine=accelerate
+else
+  skip runs "no model or data (see build_model / build_data)"
+fi
+
+timeout 60 "$PY" bench/gpu_check.py summary "$WORK" "$OUT" | tee "$OUT/gpu_check_summary.txt"
+tar -czf "$OUT/gpu_check_logs.tar.gz" -C "$WORK" --exclude='*/out/checkpoints' --exclude='*/out/final' \
+  logs runs steps.tsv $(cd "$WORK" && ls env.json health.json 2>/dev/null) 2>/dev/null
+echo "gpu_check: done in $((SECONDS - START)) s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
