@@ -33,6 +33,7 @@ WHAT_TRAINS = (
     ("LoRA", "lora.enabled"),
     ("LoRA rank", "lora.r"),
     ("steps", "train.max_steps"),
+    ("epochs", "train.num_epochs"),
     ("engine", "distributed.engine"),
     ("ZeRO stage", "distributed.zero_stage"),
 )
@@ -171,7 +172,12 @@ def rows(sources: Mapping[str, Sourced]) -> list[tuple[str, str]]:
     ]
     if lora:
         out.append(row("LoRA rank", "lora.r"))
-    out.append(row("steps", "train.max_steps"))
+    if sources["train.max_steps"].value is None and sources["train.num_epochs"].value is not None:
+        epochs = sources["train.num_epochs"].value
+        derived = f"{epochs:g} epoch(s), derived on the nodes from the data"
+        out.append(row("steps", "train.num_epochs", derived))
+    else:
+        out.append(row("steps", "train.max_steps"))
     out.append(row("engine", "distributed.engine"))
     if engine == "deepspeed":
         out.append(row("ZeRO stage", "distributed.zero_stage"))

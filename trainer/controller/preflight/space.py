@@ -70,6 +70,10 @@ def checkpoints_kept(plan: JobPlan) -> int:
     limit = int(plan.config["checkpoint"]["save_total_limit"])
     if limit > 0:
         return limit + 1
+    if plan.config["train"].get("max_steps") is None:
+        # train.num_epochs: the steps are derived on the node from the data, unknown here; the
+        # latest checkpoint at least is counted.
+        return 1
     steps, every = int(plan.config["train"]["max_steps"]), int(plan.config["checkpoint"]["save_steps"])
     return (steps // every if every else 0) + 1
 
