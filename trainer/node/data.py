@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.configerror import ConfigError, require
-from trainer.node.hf.sources import check_data_config
+from trainer.node.hf.data_keys import check_data_config
 from trainer.node.order import StepBatches
 
 if TYPE_CHECKING:
