@@ -338,7 +338,7 @@ def summary(args: argparse.Namespace) -> int:
         f"bf16 {env_info.get('bf16_supported')}, matmul {env_info.get('matmul_bf16_8192_tflops')} TFLOP/s; "
         f"model {parameters} parameters; MFU against {args.peak_tflops:g} TFLOP/s"
     )
-    columns = [("run", "<16"), ("status", "<10"), ("wall s", ">7"), ("tok/s", ">11"), ("step ms", ">9")]
+    columns = [("run", "<20"), ("status", "<10"), ("wall s", ">7"), ("tok/s", ">11"), ("step ms", ">9")]
     columns += [("peak GiB", ">9"), ("smi MiB", ">9"), ("MFU %", ">7")]
     header = "".join(format(title, spec) for title, spec in columns) + "  loss"
     print(header)
@@ -353,7 +353,7 @@ def summary(args: argparse.Namespace) -> int:
             f"{run['loss_first']:.3f}->{run['loss_last']:.3f}" if "loss_first" in run else run.get("note", "")
         )
         print(
-            f"{name:<16}{run.get('status', '?'):<10}{fmt(run.get('seconds'), '7.0f')}"
+            f"{name:<20}{run.get('status', '?'):<10}{fmt(run.get('seconds'), '7.0f')}"
             f"{fmt(run.get('tokens_per_s'), '11,.0f')}{fmt(run.get('step_time_ms'), '9.1f')}"
             f"{fmt(run.get('peak_allocated_gib', run.get('max_rss_gib')), '9.2f')}"
             f"{fmt(run.get('smi_mem_mib'), '9.0f')}{fmt(run.get('mfu_pct'), '7.2f')}  {loss}"

@@ -138,6 +138,10 @@ timeout 30 "$PY" -m trainer.torch_extensions remove-stale >"$WORK/logs/remove_st
 if [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
   train ddp_full distributed.engine=ddp
   train ddp_lora distributed.engine=ddp lora.enabled=true lora.r=16 lora.alpha=32
+  # Where LoRA's time goes: the same run without the adapters' input dropout (named runs only).
+  if [[ " ${GPU_CHECK_RUNS:-} " == *" ddp_lora_nodropout "* ]]; then
+    train ddp_lora_nodropout distributed.engine=ddp lora.enabled=true lora.r=16 lora.alpha=32 lora.dropout=0
+  fi
   if [ "$CPU" = 1 ]; then
     skip qlora_ddp "CPU mode: 4-bit bitsandbytes runs on CUDA GPUs only"
   else
