@@ -166,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
             # rank, before the process group: bad input stops all ranks at once with the same message.
             from trainer.node.hf.job import FineTune
 
-            corpus = FineTune.prepare(config, world_size)
+            corpus = FineTune.prepare(config, world_size, keep_data=not args.dry_run)
             samples = corpus.num_samples
         elif args.dry_run:
             samples = count_samples(len(read_text(config.data.path)), config.data.block_size)

@@ -56,7 +56,8 @@ class FineTune:
         return len(self.rows)
 
     @classmethod
-    def prepare(cls, config: TrainerConfig, world_size: int) -> FineTune:
+    def prepare(cls, config: TrainerConfig, world_size: int, *, keep_data: bool = True) -> FineTune:
+        """keep_data=False (a dry run): the data is prepared here and written nowhere."""
         from transformers.utils import logging as transformers_logging
 
         # Every rank would draw its own loading and saving bars into the one log.
@@ -67,7 +68,7 @@ class FineTune:
         notes = []
         target_modules = _check_lora(config, model_config) if config.lora.enabled else None
         # One process of the job prepares the data; the others wait and memory-map it (hf/prepared.py).
-        data = prepared.training_data(config, tokenizer)
+        data = prepared.training_data(config, tokenizer, keep=keep_data)
         notes.extend(data.notes)
         return cls(
             config=config,

@@ -204,17 +204,39 @@ def training_data(
     *,
     process: Process | None = None,
     say: Callable[[str], None] | None = None,
+    keep: bool = True,
 ) -> TrainingData:
     """What build_training_data(config, tokenizer) returns, prepared by one process of the job (see
     the module docstring); data.prepare_once=false: built here, by this process, as before. The last
-    note says which (prepared, or reused and by whom)."""
-    if not config.data.prepare_once:
+    note says which (prepared, or reused and by whom). keep=False (a dry run): built here, nothing
+    written."""
+    if not config.data.prepare_once or not keep:
         return build_training_data(config, tokenizer)
     process = process or Process.from_env()
     say = say or _say_on_stderr(process)
     key, inputs = cache_key(config, tokenizer)
     cache = PreparedCache(default_dir(config), explicit=bool(config.data.prepared_dir))
-    return cache.get(key, inputs, lambda: build_training_data(config, tokenizer), tokenizer, process, say)
+    build = lambda: build_training_data(config, tokenizer)  # noqa: E731
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not cache.root.exists():
+        # One process and no cache yet: nobody waits for it, so the data is built (and bad input
+        # refused) before anything is written: a refused run leaves no directory behind.
+        build = _built_ahead(build, tokenizer)
+    return cache.get(key, inputs, build, tokenizer, process, say)
+
+
+def _built_ahead(build: Callable[[], TrainingData], tokenizer: Any) -> Callable[[], TrainingData]:
+    """Build now; the returned build gives the result and makes the same change to the tokenizer
+    (ChatML for one without a template) then, where the cache records what the preparation did."""
+    before = getattr(tokenizer, "chat_template", None)
+    built = build()
+    after = getattr(tokenizer, "chat_template", None)
+    tokenizer.chat_template = before
+
+    def replay() -> TrainingData:
+        tokenizer.chat_template = after
+        return built
+
+    return replay
 
 
 def _say_on_stderr(process: Process) -> Callable[[str], None]:
