@@ -111,7 +111,8 @@ def test_trainer_report_redraws_a_run_and_refuses_a_dir_without_metrics(two_node
         handle.write('{"step": 8, "loss": 3.')
     done = subprocess.run([TRAINER, "report", str(copy)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [str(copy / name) for name in [*PICTURES, "report.json"]]
+    files = [*PICTURES, "report.json", "report.html"]
+    assert done.stdout.splitlines() == [str(copy / name) for name in files]
     assert json.loads((copy / "report.json").read_text()) == json.loads(
         (output_dir / "report.json").read_text()
     )

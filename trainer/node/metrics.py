@@ -369,7 +369,10 @@ class Reporter:
             log.warning("run report not written (`trainer report %s` retries): %s", self.output_dir, err)
             return
         if written:
-            self.info(f"report: {', '.join(path.name for path in written)} in {self.output_dir}")
+            self.info(
+                f"report: {', '.join(path.name for path in written)} in {self.output_dir}; the run on one "
+                f"page: {self.output_dir / 'report.html'}"
+            )
 
 
 def _step_of(line: str) -> int:

@@ -146,7 +146,7 @@ def write_report(run_dir: Path) -> list[Path]:
     tmp.write_text(json.dumps({"records": len(records), "pictures": described}, indent=2) + "\n")
     tmp.replace(run_dir / REPORT_FILE)
     if records:
-        # Not in the list returned: its callers print the pictures (and report.json) by that list.
+        # Not in the list returned (the pictures): `trainer report` and the run's last lines name it.
         write_html(run_dir, records, pictures)
     return written
 
@@ -188,5 +188,5 @@ def run(args: argparse.Namespace) -> int:
     for path in written:
         print(path)
     print(run_dir / REPORT_FILE)
-    print(f"the run on one page: {run_dir / HTML_FILE}", file=sys.stderr)
+    print(run_dir / HTML_FILE)
     return exitcodes.OK
