@@ -32,7 +32,9 @@ import importlib, pkgutil, sys
 blocked = set(sys.argv[2].split(","))
 sys.modules.update(dict.fromkeys(blocked))
 package = importlib.import_module(sys.argv[1])
+# trainer.ds_config is shared: both sides build the DeepSpeed config with it, so both import it here.
 names = [sys.argv[1], "trainer.cli", "trainer.exitcodes", "trainer.configerror", "trainer.redaction"]
+names += ["trainer.ds_config"]
 names += [m.name for m in pkgutil.walk_packages(package.__path__, sys.argv[1] + ".")]
 for name in names:
     importlib.import_module(name)

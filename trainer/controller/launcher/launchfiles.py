@@ -7,10 +7,13 @@
 - `hostfile`: the DeepSpeed launcher's host list;
 - `README.txt`: what each file is and the commands that run the same job by hand, as written.
 
-The bundled trainer builds the same DeepSpeed config itself (trainer.node.engines.deepspeed, which
-needs torch and cannot be imported here); `deepspeed.json` repeats its values so that a hand run
-sees what the trainer used. For a user's own command the batch sizes are `auto`: Hugging Face
-Trainer and accelerate fill them in from the script's own arguments, as in the Qwen guide's
+The bundled trainer builds its DeepSpeed config on the nodes with trainer.ds_config.build; `deepspeed.json`
+is built here by the same function from the same values, so that a hand run sees what the trainer
+used, the user's own JSON (distributed.deepspeed_config) merged in where the controller can read it
+(a path on the nodes is read here as it is, a relative one from the head's working directory). One
+it cannot read, or one the nodes will refuse (they name the disagreement at start), leaves the
+config built from the trainer's keys. For a user's own command the batch sizes are `auto`: Hugging
+Face Trainer and accelerate fill them in from the script's own arguments, as in the Qwen guide's
 ds_config_zero2.json.
 """
 
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 import json
 import shlex
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 
+from trainer import ds_config
+from trainer.configerror import ConfigError
 from trainer.controller.launcher.plan import JobPlan
 
 
@@ -39,30 +44,48 @@ def mixed_precision(plan: JobPlan) -> str:
     return wanted
 
 
+def deepspeed_values(plan: JobPlan) -> ds_config.TrainerValues:
+    """The bundled trainer's values as the nodes will see them (bf16 as mixed_precision decides)."""
+    train, distributed = plan.config["train"], plan.config["distributed"]
+    return ds_config.TrainerValues(
+        micro_batch_size=plan.micro_batch_size,
+        gradient_accumulation_steps=plan.gradient_accumulation_steps,
+        world_size=plan.topology.world_size,
+        grad_clip=train["grad_clip"],
+        zero_stage=int(distributed["zero_stage"]),
+        bf16=mixed_precision(plan) == "bf16",
+        optimizer=train["optimizer"],
+        learning_rate=train["learning_rate"],
+        weight_decay=train["weight_decay"],
+    )
+
+
+def user_deepspeed_json(plan: JobPlan) -> tuple[dict[str, Any] | None, str]:
+    """The user's own DeepSpeed JSON and its path as given, or None where there is none the
+    controller can read."""
+    path = str(plan.config["distributed"].get("deepspeed_config") or "")
+    if not path:
+        return None, path
+    local = Path(path).expanduser()
+    if not local.is_absolute():
+        local = Path(plan.workdir(plan.topology.nodes[0])) / local
+    try:
+        return ds_config.load_user_config(str(local)), path
+    except ConfigError:
+        return None, path
+
+
 def deepspeed_config(plan: JobPlan) -> dict[str, Any]:
-    train = plan.config["train"]
-    stage = int(plan.config["distributed"].get("zero_stage", 2))
     if not plan.runs_bundled_trainer:
-        return {
-            "train_batch_size": "auto",
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "zero_optimization": {"stage": stage},
-            "bf16": {"enabled": "auto"},
-        }
-    # The same values as trainer.node.engines.deepspeed.deepspeed_config builds on the nodes.
-    return {
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-        "train_batch_size": plan.effective_batch_size,
-        "gradient_clipping": train.get("grad_clip", 1.0),
-        "zero_optimization": {"stage": stage},
-        "bf16": {"enabled": mixed_precision(plan) == "bf16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
+        return ds_config.for_own_command(int(plan.config["distributed"].get("zero_stage", 2)))
+    values = deepspeed_values(plan)
+    user, path = user_deepspeed_json(plan)
+    if user is not None:
+        try:
+            return ds_config.build(values, user, path)
+        except ConfigError:
+            pass  # the nodes refuse it at start, naming the disagreement
+    return ds_config.build(values)
 
 
 def accelerate_config(plan: JobPlan, node_rank: int) -> dict[str, Any]:

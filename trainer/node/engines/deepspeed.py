@@ -11,43 +11,15 @@ import logging
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import deepspeed
 import torch
 
 from trainer.node.engines import Batch, Engine, ds_universal, frozen_parameter_names
+from trainer.node.engines.ds_json import deepspeed_config  # trainer.ds_config's, for the node's objects
 from trainer.node.optim import build_optimizer
 
 CHECKPOINT_TAG = "deepspeed"
-
-
-def deepspeed_config(train, distributed, world_size: int, bf16: bool) -> dict[str, Any]:
-    if distributed.deepspeed_config:  # the user's own JSON, "auto" values filled (ds_json)
-        from trainer.node.engines.ds_json import load_user_config, merge_user_config
-
-        user = load_user_config(distributed.deepspeed_config)
-        return merge_user_config(
-            user,
-            distributed.deepspeed_config,
-            train=train,
-            distributed=distributed,
-            world_size=world_size,
-            bf16=bf16,
-        )
-    return {
-        "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": train.gradient_accumulation_steps,
-        "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
-        "gradient_clipping": train.grad_clip,
-        "zero_optimization": {"stage": distributed.zero_stage},
-        "bf16": {"enabled": bf16},
-        # The trainer's AdamW and LR schedule are passed in, so all engines optimize the same way.
-        "zero_allow_untested_optimizer": True,
-        # The trainer prints its own step lines; DeepSpeed's would interleave from every rank.
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
 
 
 def adopt_process_group(backend: str) -> None:

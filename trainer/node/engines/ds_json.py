@@ -1,124 +1,41 @@
-"""A user's own DeepSpeed JSON (`distributed.deepspeed_config: PATH`), merged with the trainer config
-the way the Hugging Face Trainer does it: every `"auto"` takes the trainer's value, a value the JSON
-states must agree with the trainer's, else ConfigError naming both (exit 2). The Qwen guide's
-`ds_config_zero2.json` works as it is.
-
-The trainer's own optimizer (train.optimizer: AdamW, plain or fused) and learning-rate schedule always
-run (all engines optimize the same way), so the JSON's `optimizer` and `scheduler` sections are only
-checked (an Adam/AdamW type, lr, weight decay) and then left out.
-Everything else the JSON holds (offload, bucket sizes, overlap_comm, ...) goes to DeepSpeed as written.
-No torch here: train.py checks the file on every rank before the process group starts.
+"""The node's side of trainer.ds_config: the DeepSpeed config from the node's config objects (`train`,
+`distributed`), with the user's own JSON (`distributed.deepspeed_config: PATH`) merged in. The
+controller builds its launch dir's `deepspeed.json` through the same trainer.ds_config.build.
+No torch here: train.py checks the user's file on every rank before the process group starts.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import math
-from pathlib import Path
 from typing import Any
 
-from trainer.configerror import ConfigError
+from trainer.ds_config import TrainerValues, build, load_user_config
 
-KEY = "distributed.deepspeed_config"
-
-
-def load_user_config(path: str) -> dict[str, Any]:
-    source = Path(path).expanduser()
-    try:
-        data = json.loads(source.read_text())
-    except OSError as err:
-        raise ConfigError(KEY, f"cannot read {source}: {err.strerror or err}") from None
-    except json.JSONDecodeError as err:
-        raise ConfigError(KEY, f"{source} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(KEY, f"{source} must hold a JSON object (got {type(data).__name__})")
-    return data
+__all__ = ["deepspeed_config", "load_user_config", "merge_user_config", "trainer_values"]
 
 
-def _same(theirs: Any, ours: Any) -> bool:
-    if isinstance(theirs, bool) or isinstance(ours, bool):
-        return theirs is ours or theirs == ours
-    if isinstance(theirs, int | float) and isinstance(ours, int | float):
-        return math.isclose(theirs, ours, rel_tol=1e-9, abs_tol=1e-12)
-    return theirs == ours
+def trainer_values(train, distributed, world_size: int, bf16: bool | None) -> TrainerValues:
+    return TrainerValues(
+        micro_batch_size=train.micro_batch_size,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        world_size=world_size,
+        grad_clip=train.grad_clip,
+        zero_stage=distributed.zero_stage,
+        bf16=bf16,
+        optimizer=train.optimizer,
+        learning_rate=train.learning_rate,
+        weight_decay=train.weight_decay,
+    )
 
 
 def merge_user_config(
     user: dict[str, Any], path: str, *, train, distributed, world_size: int, bf16: bool | None
 ) -> dict[str, Any]:
     """The JSON with its "auto" values filled; bf16=None (not known yet) leaves bf16 unchecked."""
-    merged = copy.deepcopy(user)
+    return build(trainer_values(train, distributed, world_size, bf16), user, path)
 
-    def fill(where: dict[str, Any], name: str, dotted: str, ours: Any, our_key: str) -> None:
-        if name not in where or where[name] == "auto":
-            where[name] = ours
-        elif not _same(where[name], ours):
-            raise ConfigError(
-                KEY,
-                f"{path} sets {dotted} to {where[name]!r} but {our_key} is {ours!r}; "
-                f'write "auto" there (the trainer\'s value) or set {our_key}={where[name]}',
-            )
 
-    fill(merged, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu",
-         train.micro_batch_size, "train.micro_batch_size")  # fmt: skip
-    fill(merged, "gradient_accumulation_steps", "gradient_accumulation_steps",
-         train.gradient_accumulation_steps, "train.gradient_accumulation_steps")  # fmt: skip
-    fill(merged, "gradient_clipping", "gradient_clipping", train.grad_clip, "train.grad_clip")
-    effective = train.micro_batch_size * train.gradient_accumulation_steps * world_size
-    if merged.get("train_batch_size", "auto") not in ("auto", effective):
-        raise ConfigError(
-            KEY,
-            f"{path} sets train_batch_size to {merged['train_batch_size']!r} but train.micro_batch_size "
-            f"{train.micro_batch_size} x train.gradient_accumulation_steps "
-            f"{train.gradient_accumulation_steps} x world size {world_size} is {effective}; "
-            'write "auto" there',
-        )
-    merged["train_batch_size"] = effective
-
-    zero = merged.setdefault("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise ConfigError(KEY, f"{path}: zero_optimization must be an object")
-    fill(zero, "stage", "zero_optimization.stage", distributed.zero_stage, "distributed.zero_stage")
-
-    fp16 = merged.get("fp16", {})
-    if isinstance(fp16, dict) and fp16.get("enabled") not in (None, "auto", False):
-        raise ConfigError(
-            KEY,
-            f"{path} enables fp16, which this trainer does not train in; write "
-            '"enabled": "auto" (or false) there and use train.mixed_precision=bf16',
-        )
-    if "fp16" in merged and isinstance(fp16, dict):
-        merged["fp16"] = {**fp16, "enabled": False}
-    bf16_section = merged.setdefault("bf16", {})
-    if not isinstance(bf16_section, dict):
-        raise ConfigError(KEY, f"{path}: bf16 must be an object")
-    if bf16 is not None:
-        fill(bf16_section, "enabled", "bf16.enabled", bf16, "bf16 (from train.mixed_precision)")
-
-    # The trainer's optimizer and schedule run; the JSON's are checked, then left out.
-    optimizer = merged.pop("optimizer", None)
-    kind = optimizer.get("type") if isinstance(optimizer, dict) else None
-    if kind is not None and str(kind).lower() not in ("adam", "adamw", "auto"):
-        # DeepSpeed's own optimizers (OneBitAdam, Lamb, ...) never run here: train.optimizer does.
-        raise ConfigError(
-            KEY,
-            f"{path} names optimizer.type {kind!r}, but the trainer's train.optimizer "
-            f'({train.optimizer}) is what runs; write "type": "AdamW" (or leave the optimizer '
-            "section out)",
-        )
-    if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
-        params = optimizer["params"]
-        fill(params, "lr", "optimizer.params.lr", train.learning_rate, "train.learning_rate")
-        fill(
-            params, "weight_decay", "optimizer.params.weight_decay", train.weight_decay, "train.weight_decay"
-        )
-    scheduler = merged.pop("scheduler", None)
-    if isinstance(scheduler, dict) and isinstance(scheduler.get("params"), dict):
-        params = scheduler["params"]
-        if params.get("warmup_max_lr", "auto") != "auto":
-            fill(params, "warmup_max_lr", "scheduler.params.warmup_max_lr", train.learning_rate,
-                 "train.learning_rate")  # fmt: skip
-    merged["zero_allow_untested_optimizer"] = True
-    merged.setdefault("steps_per_print", 2**31 - 1)
-    return merged
+def deepspeed_config(train, distributed, world_size: int, bf16: bool) -> dict[str, Any]:
+    """What DeepSpeed trains with: the user's JSON merged, or the config built from the trainer's keys."""
+    path = distributed.deepspeed_config
+    user = load_user_config(path) if path else None
+    return build(trainer_values(train, distributed, world_size, bf16), user, path)
