@@ -34,7 +34,7 @@ from trainer import exitcodes
 from trainer.joblock import LOCK_FILE, STALE_AFTER_S
 
 TINY = ["train.log_every=1", "checkpoint.save_steps=2", "train.max_steps=4"]
-#: Rank 0 pauses inside the step-2 checkpoint write (the documented hook, trainer/node/checkpoint.py).
+#: Rank 0 pauses inside the step-2 checkpoint write (the documented hook, trainer/node/checkpoint/writer.py).
 PAUSE_IN_STEP_2 = {
     "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S": "3",
     "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_STEP": "2",

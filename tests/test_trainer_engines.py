@@ -29,7 +29,8 @@ ENGINES = [
     # accelerate's own launcher (`--multi_gpu` on the CPU: `--cpu` would start a single process).
     pytest.param("accelerate", ["distributed.engine=accelerate"], id="accelerate"),
 ]
-#: Documented test hook (trainer/node/checkpoint.py): rank 0 pauses inside the temporary write of step 20.
+#: Documented test hook (trainer/node/checkpoint/writer.py): rank 0 pauses inside the temporary write of
+#: step 20.
 PAUSE_IN_STEP_20_WRITE = {
     "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S": "300",
     "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_STEP": "20",
