@@ -3,7 +3,9 @@
 The loop gets the sections it needs, not the whole config (`trainer.node.config` imports the
 sections' modules, so none of them imports it). Per-step checks (e.g. a GPU health circuit breaker)
 are `StepHook`s: each gets the step's result and returns None to continue or an exit code to stop;
-`Trainer._after_step` is the one place they run, and all ranks stop together with the same code.
+`Trainer._after_step` is the one place they run, and all ranks stop together with the same code, which
+costs a collective per step. A callback that only watches (progress for the launcher's watchdog) is
+`on_step_end` instead: it never stops the run, so it needs no collective.
 
 torch is imported inside functions.
 """
@@ -65,6 +67,8 @@ class Trainer:
     """Evaluate every this many steps (0: at the last step only)."""
     on_step_start: Callable[[int], None] | None = None
     """Called with each step's number as this rank starts it (trainer.node.progress)."""
+    on_step_end: Callable[[StepResult], None] | None = None
+    """Called with each step's result as this rank ends it, before the checks (trainer.node.progress)."""
     run_facts: dict[str, Any] = field(default_factory=dict)
     steps_this_run: int = 0
 
@@ -101,6 +105,8 @@ class Trainer:
                     step_time_s=step_time,
                     rank=self.topology.rank,
                 )
+                if self.on_step_end is not None:
+                    self.on_step_end(result)
                 code = self._after_step(result)
                 if code:
                     self.reporter.info(f"stopping at step {step}: a per-step check returned exit code {code}")

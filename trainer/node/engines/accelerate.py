@@ -9,9 +9,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedDataParallelKwargs
 
 from trainer.node.engines import Batch, Engine
+from trainer.node.engines.ddp import ddp_options
 from trainer.node.optim import build_optimizer
 
 STATE_DIR = "accelerate"
@@ -24,29 +25,33 @@ class AccelerateEngine(Engine):
         self.config = train
         self.topology = topology
         self.accelerator = Accelerator(
-            cpu=not topology.device.startswith("cuda"), mixed_precision="bf16" if bf16 else "no"
+            cpu=not topology.device.startswith("cuda"),
+            mixed_precision="bf16" if bf16 else "no",
+            kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options(model))],
         )
         optimizer, self.scheduler = build_optimizer(model, self.config)
         # The scheduler is not prepared: accelerate would step it once per process per step.
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.accelerator.register_for_checkpointing(self.scheduler)
         self.module = self.accelerator.unwrap_model(self.model)
+        # The trained parameters only: a LoRA base's frozen weights have no gradient to clip.
+        self.trained = [p for p in self.module.parameters() if p.requires_grad]
 
     def train_step(self, micro_batches: Iterable[Batch]) -> float:
         accumulation = self.config.gradient_accumulation_steps
-        total = 0.0
+        total = torch.zeros((), device=self.topology.device)
         for index, batch in enumerate(micro_batches):
             sync = index == accumulation - 1
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
                 loss = self.model(*batch)  # prepare() applied autocast when mixed precision is on
                 self.accelerator.backward(loss / accumulation)
-            total += loss.item()
+            total += loss.detach()  # one device sync per step (the .item() below), not one per micro-batch
         if self.config.grad_clip > 0:
-            self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            self.accelerator.clip_grad_norm_(self.trained, self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total / accumulation
+        return total.item() / accumulation
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         return self.model(*batch)

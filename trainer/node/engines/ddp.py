@@ -15,6 +15,21 @@ from trainer.node.optim import build_optimizer
 STATE_FILE = "ddp_state.pt"
 
 
+def ddp_options(module: torch.nn.Module) -> dict[str, bool]:
+    """How the ddp and accelerate engines wrap a model in DistributedDataParallel (beyond its defaults).
+
+    - broadcast_buffers only for a model with running statistics (batch norm): DDP's default broadcasts
+      every buffer from rank 0 before each forward, a collective per micro-batch. A decoder's buffers
+      (rotary frequencies, causal masks) are constants, equal on every rank from the start.
+    - gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of being copied
+      out of them after each all-reduce (the same values, one copy and one gradient's memory less)."""
+    running_stats = any(
+        getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None
+        for m in module.modules()
+    )
+    return {"broadcast_buffers": running_stats, "gradient_as_bucket_view": True}
+
+
 class DDPEngine(Engine):
     name = "ddp"
 
@@ -25,8 +40,10 @@ class DDPEngine(Engine):
         device_type = torch.device(topology.device).type
         self.autocast = lambda: torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
         device_ids = [topology.local_rank] if topology.device.startswith("cuda") else None
-        self.model = DistributedDataParallel(self.module, device_ids=device_ids)
+        self.model = DistributedDataParallel(self.module, device_ids=device_ids, **ddp_options(self.module))
         self.optimizer, self.scheduler = build_optimizer(self.module, self.config)
+        # The trained parameters only: a LoRA base's frozen weights have no gradient to clip.
+        self.trained = [p for p in self.module.parameters() if p.requires_grad]
 
     def train_step(self, micro_batches: Iterable[Batch]) -> float:
         accumulation = self.config.gradient_accumulation_steps
@@ -40,7 +57,7 @@ class DDPEngine(Engine):
                 (loss / accumulation).backward()
             total += loss.detach()
         if self.config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.trained, self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
