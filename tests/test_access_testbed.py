@@ -208,7 +208,7 @@ def test_typed_sudo_password_at_a_terminal(inventory, tmp_path):
     import pexpect  # ansible-runner's dependency
 
     secret = password()
-    from trainer.controller.preflight.report import CHECKS
+    from trainer.controller.preflight.checks import CHECKS
 
     skipped = [check for check in CHECKS if check not in ("topology", "ssh", "ufw")]
     child = pexpect.spawn(

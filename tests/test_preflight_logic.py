@@ -962,3 +962,34 @@ def test_shm_for_a_one_node_deepspeed_job_on_the_cpu():
     assert result.status == FAIL and "0.26 GiB needed" in result.detail
     assert_fix(result, "solo", "mount -o remount,size=1G /dev/shm")
     assert space.shm_needed(cluster, host, make_plan(cluster, engine="ddp"))[0] == 0
+
+
+def test_every_check_is_one_registry_entry_documented_under_its_skip_name():
+    from pathlib import Path
+
+    from trainer.controller.preflight.checks import CHECKS, REGISTRY
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "preflight.md").read_text()
+    assert re.findall(r"^### `(\w+)`$", docs, flags=re.MULTILINE) == list(CHECKS), "in run order"
+    assert (CHECKS[0], CHECKS[-1]) == ("topology", "deepspeed")  # the controller first, the real job last
+    assert [c.name for c in REGISTRY if c.judge is None] == ["topology", "deepspeed"]  # their own phases
+
+
+def test_only_checks_reading_node_facts_run_the_facts_probe():
+    from trainer.controller.preflight import probe
+    from trainer.controller.preflight.checks import reading
+
+    assert not reading(probe.NODE_FACTS, ["ssh", "ufw", "master_port", "bandwidth"])
+    assert reading(probe.NODE_FACTS, ["ufw", "clock"]) and reading(probe.NODE_FACTS, ["space"])
+
+
+def test_the_deepspeed_job_waits_only_on_failures_it_would_hang_or_fail_on():
+    from trainer.controller.preflight.checks import deepspeed_blockers
+    from trainer.controller.preflight.report import Report, Result
+
+    report = Report("inv")
+    report.add([Result("bandwidth", "a <-> b", FAIL, "slow"), Result("clock", "b", FAIL, "off")])
+    report.add([Result("ufw", "a", WARN, "a rule"), Result("nfs", "b", PASS, "mounted")])
+    assert deepspeed_blockers(report) == ""
+    report.add([Result("nfs", "c", FAIL, "not mounted"), Result("master_port", "a", FAIL, "held")])
+    assert deepspeed_blockers(report) == "master_port (a), nfs (c)"

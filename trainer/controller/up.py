@@ -41,7 +41,7 @@ from trainer.controller.inventory import (
 from trainer.controller.launcher import launch, launch_cli
 from trainer.controller.launcher.plan import JobPlan, PlanError, add_job_arguments
 from trainer.controller.launcher.topology import TopologyError
-from trainer.controller.preflight.report import CHECKS
+from trainer.controller.preflight.checks import CHECKS
 from trainer.redaction import REDACTED, redact_override, secret_env
 
 PHASES = ("provision", "preflight", "launch")

@@ -27,20 +27,10 @@ from typing import Any
 
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
-from trainer.controller.preflight.report import (
-    CHECKS,
-    FAIL,
-    PASS,
-    SKIP,
-    WARN,
-    Report,
-    Result,
-    format_result,
-)
+from trainer.controller.preflight.checks import CHECKS, PROBE_CHECKS
+from trainer.controller.preflight.report import FAIL, PASS, SKIP, WARN, Report, Result, format_result
 
 DEFAULT_REPORT = Path("output/preflight.json")
-#: The checks answered on the controller or by the probe playbook; the DeepSpeed job runs after them.
-PROBE_CHECKS = tuple(check for check in CHECKS if check != "deepspeed")
 DEFAULT_BANDWIDTH_GBIT = 10.0
 INTERRUPTED = 130
 EXAMPLES = (
@@ -229,6 +219,7 @@ def _checks(
 ) -> int | None:
     """Both passes; None when they ran to the end (the verdict comes from the report)."""
     from trainer.controller.preflight import topology
+    from trainer.controller.preflight.checks import deepspeed_blockers
 
     plan = None
     probe_started = time.monotonic()
@@ -247,7 +238,7 @@ def _checks(
     report.probe_duration_s = time.monotonic() - probe_started
     print(f"preflight: probe pass done in {report.probe_duration_s:.1f} s", flush=True)
     if "deepspeed" in checks:
-        blockers = _deepspeed_blockers(report)
+        blockers = deepspeed_blockers(report)
         if blockers:
             result = Result(
                 "deepspeed",
@@ -260,13 +251,6 @@ def _checks(
         else:
             report.add(_deepspeed(cluster, args, report, token, job_started))
     return None
-
-
-def _deepspeed_blockers(report: Report) -> str:
-    """Failures that make the DeepSpeed job pointless (it could only hang or fail on them)."""
-    blocking = ("topology", "deepspeed_ops", "interface", "master_port", "nfs", "shared_dir", "versions")
-    found = sorted({f"{r.check} ({r.subject})" for r in report.failed if r.check in blocking})
-    return ", ".join(found)
 
 
 def _deepspeed(cluster, args, report: Report, token: str, job_started: list[float]) -> list[Result]:
@@ -341,39 +325,10 @@ def bandwidth_threshold(cluster, cli_value: float | None) -> float:
     return value
 
 
-def _measure_again(cluster, found, rounds: list[dict], args, token: str):
-    """(rounds, what they measured) for the pairs with a link far below the others, measured once
-    more: one slow iperf3 test on a busy host is noise, a bad link is slow both times."""
-    from trainer.controller.preflight import bandwidth, probe
-
-    again = bandwidth.retest_rounds(found, rounds)
-    if not again:
-        return [], bandwidth.Measured()
-    pairs = ", ".join(f"{p['client']} <-> {p['server']}" for r in again for p in r["pairs"])
-    print(f"  ... iperf3 again for {pairs}: far below the other links", flush=True)
-    probes = probe.run_probes(
-        cluster, ["bandwidth"], args.iperf_seconds, token=token, io_timeout_s=args.io_timeout, rounds=again
-    )
-    servers = probes.outputs.get(probe.IPERF_SERVER, {})
-    return again, bandwidth.measure(
-        again, probes.iperf, servers, lambda host: probes.why_missing(probe.IPERF_CLIENT, host)
-    )
-
-
 def _probe_results(cluster, checks: list[str], args, report: Report, token: str, plan) -> list[Result]:
-    from trainer.controller.preflight import (
-        bandwidth,
-        extensions,
-        interconnect,
-        interfaces,
-        network,
-        nfs,
-        nodes,
-        probe,
-        space,
-        ssh,
-        storage,
-    )
+    """The probe playbook run once for `checks`, then each check judged (preflight.checks)."""
+    from trainer.controller.preflight import probe
+    from trainer.controller.preflight.checks import Found, judge_all, reading
 
     threshold = bandwidth_threshold(cluster, args.bandwidth_threshold_gbit)
     model_dir = str(plan.config["model"].get("name_or_path") or "") if plan is not None else ""
@@ -386,6 +341,7 @@ def _probe_results(cluster, checks: list[str], args, report: Report, token: str,
         token=token,
         model_dir=model_dir,
         io_timeout_s=args.io_timeout,
+        facts=reading(probe.NODE_FACTS, checks),
     )
     if probes.status == "timeout":
         print(
@@ -393,71 +349,8 @@ def _probe_results(cluster, checks: list[str], args, report: Report, token: str,
             "by then is below (a node that did not answer is named by each check)",
             flush=True,
         )
-    results: list[Result] = []
-
-    def missing(task):
-        return lambda host: probes.why_missing(task, host)
-
-    facts = probes.outputs.get(probe.NODE_FACTS, {})
-    names = [h.name for h in cluster.hosts]
-    if "ssh" in checks:
-        user = str(cluster.head.get("cluster_training_user", "?"))
-        results += ssh.evaluate(names, user, probes.outputs.get(probe.SSH, {}), missing(probe.SSH))
-    clients = probes.outputs.get(probe.CLIENT, {})
-    listener = probes.get(probe.LISTENER, cluster.head.name)
-    if "master_port" in checks:
-        results += network.master_port(cluster, listener, clients, missing(probe.CLIENT))
-    if "ufw" in checks:
-        results += network.ufw(cluster, probes.outputs.get(probe.UFW, {}), missing(probe.UFW))
-    if "interface" in checks:
-        results += interfaces.evaluate(cluster, facts, missing(probe.NODE_FACTS))
-    if "accelerators" in checks:
-        results += nodes.accelerators(cluster, facts, missing(probe.NODE_FACTS))
-    if "versions" in checks:
-        results += nodes.versions(cluster, facts, missing(probe.NODE_FACTS))
-    if "interconnect" in checks:
-        results += interconnect.interconnect(cluster, facts, missing(probe.NODE_FACTS))
-    if "deepspeed_ops" in checks:
-        results += extensions.evaluate(cluster, facts, missing(probe.NODE_FACTS))
-    if "clock" in checks:
-        results += network.clock_results(
-            cluster, clients, facts, args.clock_bound_s, missing(probe.CLIENT), missing(probe.NODE_FACTS)
-        )
-    if "nfs" in checks:
-        results += nfs.evaluate(cluster, facts, missing(probe.NODE_FACTS))
-    if "shared_dir" in checks:
-        results += storage.shared_dir(
-            cluster,
-            facts,
-            probes.get(probe.SHARED_VERIFY, cluster.head.name),
-            missing(probe.NODE_FACTS),
-            missing(probe.SHARED_VERIFY),
-        )
-    if "space" in checks:
-        results += space.evaluate(cluster, plan, facts, missing(probe.NODE_FACTS))
-    if "data" in checks:
-        results += storage.data(cluster, facts, missing(probe.NODE_FACTS))
-    _print(results)
-    if "bandwidth" in checks:
-        if cluster.is_single_host:
-            pair_results = [Result(bandwidth.CHECK, cluster.head.name, SKIP, "skipped: one node")]
-        else:
-            rounds = probe.iperf_rounds(cluster)
-            servers = probes.outputs.get(probe.IPERF_SERVER, {})
-            found = bandwidth.measure(rounds, probes.iperf, servers, missing(probe.IPERF_CLIENT))
-            again, measured_again = _measure_again(cluster, found, rounds, args, token)
-            pair_results, report.bandwidth = bandwidth.evaluate(
-                names, rounds, found.better_of(measured_again), threshold, again
-            )
-            print(f"bandwidth: {len(rounds)} parallel round(s) for {len(names)} nodes", flush=True)
-            print(bandwidth.format_matrix(names, report.bandwidth["matrix"]), flush=True)
-        _print(pair_results)
-        if any(r.status == WARN and "below" in r.detail and "median" not in r.detail for r in pair_results):
-            print(
-                f"WARNING: bandwidth below {threshold:g} Gbit/s between some nodes: " + bandwidth.ZERO_ADVICE,
-                flush=True,
-            )
-        results += pair_results
+    found = Found(cluster, probes, args, report, token, plan, threshold)
+    results = judge_all(found, checks)
     if probes.playbook_output and not any(probes.outputs.values()) and any(r.status == FAIL for r in results):
         print("ansible output (tail):\n" + probes.playbook_output[-1500:], flush=True)
     return results

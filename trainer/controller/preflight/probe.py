@@ -20,12 +20,6 @@ CLEANUP_PLAYBOOK = Path(__file__).parent / "playbooks" / "cleanup.yml"
 MARKER = "CLUSTERTRAIN_PREFLIGHT"
 #: As the launcher runs Ansible: one fork per host (set per run), fewer round trips per task.
 ANSIBLE_ENV = {"ANSIBLE_PIPELINING": "True", "ANSIBLE_NOCOLOR": "True"}
-#: The checks that read node_facts.py's output.
-FACT_CHECKS = frozenset(
-    {"accelerators", "versions", "interconnect", "data", "interface", "deepspeed_ops", "clock", "nfs",
-     "shared_dir", "space"}
-)  # fmt: skip
-
 #: Task names in preflight.yml whose stdout is JSON.
 NODE_FACTS = "Preflight | node facts"
 UFW = "Preflight | ufw status"
@@ -126,9 +120,11 @@ def extravars(
     model_dir: str = "",
     io_timeout_s: float = 10.0,
     rounds: list[dict[str, Any]] | None = None,
+    facts: bool = False,
 ) -> dict[str, Any]:
     """The probe playbook's variables; `rounds` replaces the bandwidth check's full round robin (a
-    re-measure of some pairs)."""
+    re-measure of some pairs); `facts`: a check among `checks` reads node_facts.py's output
+    (checks.reading)."""
     head = cluster.head
     comm_range = str(head.get("cluster_comm_port_range", "29400:29999"))
     parse_port_range(comm_range)  # a clear error before anything runs
@@ -142,7 +138,7 @@ def extravars(
         "preflight_comm_port_range": comm_range,
         "preflight_token": token,
         "preflight_marker": MARKER,
-        "preflight_facts": bool(FACT_CHECKS & set(checks)),
+        "preflight_facts": facts,
         "preflight_requests": node_requests(cluster, checks, token, model_dir, io_timeout_s),
         "preflight_io_timeout_s": io_timeout_s,
         "preflight_iperf_rounds": (rounds or iperf_rounds(cluster)) if "bandwidth" in checks else [],
@@ -165,10 +161,11 @@ def run_probes(
     model_dir: str = "",
     io_timeout_s: float = 10.0,
     rounds: list[dict[str, Any]] | None = None,
+    facts: bool = False,
 ) -> Probes:
     from trainer.controller.runner import run_playbook  # imported here: ansible-runner is heavy
 
-    variables = extravars(cluster, checks, iperf_seconds, token, model_dir, io_timeout_s, rounds)
+    variables = extravars(cluster, checks, iperf_seconds, token, model_dir, io_timeout_s, rounds, facts)
     result = run_playbook(
         PLAYBOOK,
         cluster.inventory,

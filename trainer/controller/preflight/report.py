@@ -21,27 +21,6 @@ FAIL = "fail"
 WARN = "warn"
 SKIP = "skip"
 
-#: Every check family in run order; these names are what `--skip` takes. All but the last run in
-#: the probe pass (one playbook, seconds); `deepspeed` starts a real job afterwards.
-CHECKS: tuple[str, ...] = (
-    "topology",
-    "ssh",
-    "master_port",
-    "ufw",
-    "interface",
-    "accelerators",
-    "versions",
-    "interconnect",
-    "deepspeed_ops",
-    "clock",
-    "nfs",
-    "shared_dir",
-    "space",
-    "data",
-    "bandwidth",
-    "deepspeed",
-)
-
 
 @dataclass
 class Result:
