@@ -4,8 +4,9 @@ Two callers apply these rules, so they cannot drift: site.yml's validate play (t
 filter plugin imports this module and runs it on the controller before any host is contacted) and
 `trainer plan/launch/preflight` (trainer.controller.inventory.load_cluster runs it before anything
 is written or any host is contacted). Standard library only: the filter plugin imports it from the
-checkout, without the rest of the project's dependencies. Its one import, training_env, holds the
-rules this module shares with the command line (`--env`, the path rule used for training_workdir).
+checkout, without the rest of the project's dependencies. Its imports: training_env, which holds the
+rules this module shares with the command line (`--env`, the path rule used for training_workdir),
+and trainer.engine_names, the engines `training_engine` may name.
 
 Each message names the host(s), the variable, what is wrong and the fix; all problems are reported
 at once, so one edit-and-rerun cycle fixes them all. A value that reaches a shell line, a template
@@ -39,11 +40,10 @@ from trainer.controller.training_env import (
     path_problem,
     workdir_problem,
 )
+from trainer.engine_names import ENGINES
 
 PROVISION, LAUNCH = "provision", "launch"
 HEAD, WORKERS, CLUSTER = "head", "workers", "cluster"
-#: The trainer's distributed.engine values (tests/test_inventory_validation.py checks they agree).
-ENGINES = ("ddp", "deepspeed", "accelerate")
 #: The DeepSpeed ZeRO stages the trainer accepts (trainer.node.engines: 1, 2 or 3; stage 0 is plain
 #: data parallelism, which is the ddp engine). A test checks the trainer agrees.
 ZERO_STAGES = (1, 2, 3)

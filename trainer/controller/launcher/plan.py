@@ -34,9 +34,9 @@ from trainer.controller.training_env import (
     parse_training_env,
     workdir_problem,
 )
+from trainer.engine_names import ENGINES
 from trainer.redaction import REDACTED, SECRET_KEYS, redact_env, redact_override, secret_setting
 
-ENGINES = ("ddp", "deepspeed", "accelerate")
 DEFAULT_RUN_NAME = "default"
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from trainer.configerror import require
+from trainer.engine_names import EngineName
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +34,7 @@ Batch = tuple["torch.Tensor | None", ...]
 
 @dataclass(kw_only=True)
 class DistributedConfig:
-    engine: Literal["ddp", "deepspeed", "accelerate"] = "ddp"
+    engine: EngineName = "ddp"
     """`ddp`: torch DistributedDataParallel; `deepspeed`: ZeRO (stage below); `accelerate`: HF accelerate."""
     zero_stage: int = 2
     """DeepSpeed ZeRO stage 1, 2 or 3 (deepspeed only). 2 is the multi-node choice; 3 needs a fast network."""
