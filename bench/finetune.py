@@ -7,11 +7,14 @@ steady-state tokens/s (real tokens, pads not counted) after the first WARMUP ste
 be shared, so the two run back to back in rounds, ordered A-B, B-A, B-A, A-B, and the figure is the
 geometric mean of each round's ratio (trainer / HF Trainer). The loss is the mean training loss of
 the last 10 steps of each, side by side (same data, different sample order: close, not equal).
+`--baseline DIR` runs a second checkout of the trainer (another commit) in the same rounds, so a
+change is measured before and after under the same load.
 
     python bench/finetune.py                       # the tiny Qwen2 the tests use, 2 CPU processes
     python bench/finetune.py --rounds 2 --steps 60 --nproc 2
     python bench/finetune.py --model DIR --data FILE --nproc 1 --micro-batch 8 --max-length 512
                              [--gradient-checkpointing] [--lora]      # e.g. a 0.5B model on a GPU
+    git worktree add /tmp/before HEAD~1 && python bench/finetune.py --lora --baseline /tmp/before
 
 On a GPU it also prints MFU: 6 × parameters × tokens/s over the GPU's peak bf16 dense FLOP/s
 (--peak-tflops, default 989 for an H100 SXM); attention's own FLOPs are left out, as usual.
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import socket
 import statistics
@@ -44,10 +46,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(nproc: int, args: list[str], cwd: str) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], cwd: str, repo: Path = REPO) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=3600, env=env)
     if done.returncode != 0:
         sys.exit(f"failed: {' '.join(command)}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -68,10 +70,11 @@ def overrides(args: argparse.Namespace) -> list[str]:
     return sets
 
 
-def trainer_run(args: argparse.Namespace, workdir: str) -> dict:
+def trainer_run(args: argparse.Namespace, workdir: str, repo: Path = REPO) -> dict:
+    """`trainer train` from `repo`'s checkout (this one, or --baseline's)."""
     out = Path(workdir) / "trainer-out"
     sets = [*overrides(args), f"output_dir={out}"]
-    torchrun(args.nproc, ["-m", "trainer", "train", *[a for s in sets for a in ("--set", s)]], workdir)
+    torchrun(args.nproc, ["-m", "trainer", "train", *[a for s in sets for a in ("--set", s)]], workdir, repo)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in records if r["step"] > WARMUP]
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steady)
@@ -219,6 +222,9 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--packing", action="store_true", help="both train on the same packed rows")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's bf16 dense peak")
+    parser.add_argument(
+        "--baseline", type=Path, help="another checkout of this repository, run in the same rounds"
+    )
     parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hf_worker:
@@ -230,36 +236,54 @@ def main() -> None:
             args.data = args.data or built_data
         if not args.data:
             parser.error("--data is needed with --model")
-        ratios, ours, theirs = [], [], []
+        ratios, ours, theirs, baseline_ratios = [], [], [], []
         for round_index in range(args.rounds):
             order = ("trainer", "hf") if round_index % 4 in (0, 3) else ("hf", "trainer")
+            if args.baseline:  # each contestant first, middle and last in turn
+                order = [("trainer", "baseline", "hf"), ("hf", "trainer", "baseline"),
+                         ("baseline", "hf", "trainer")][round_index % 3]  # fmt: skip
             results = {}
             for name in order:
-                results[name] = trainer_run(args, workdir) if name == "trainer" else hf_run(args, workdir)
+                if name == "hf":
+                    results[name] = hf_run(args, workdir)
+                else:
+                    results[name] = trainer_run(args, workdir, args.baseline if name == "baseline" else REPO)
             ratio = results["trainer"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
             ratios.append(ratio)
             ours.append(results["trainer"])
             theirs.append(results["hf"])
             mine, hf = results["trainer"], results["hf"]
+            before = ""
+            if args.baseline:
+                baseline_ratios.append(results["baseline"]["tokens_per_s"] / hf["tokens_per_s"])
+                before = (
+                    f", baseline {results['baseline']['tokens_per_s']:,.0f} tok/s, "
+                    f"ratio {baseline_ratios[-1]:.3f}"
+                )
             print(
                 f"round {round_index + 1} ({' then '.join(order)}): "
                 f"trainer {mine['tokens_per_s']:,.0f} tok/s, "
-                f"HF Trainer {hf['tokens_per_s']:,.0f} tok/s, ratio {ratio:.3f}; "
+                f"HF Trainer {hf['tokens_per_s']:,.0f} tok/s, ratio {ratio:.3f}{before}; "
                 f"loss (last {LAST} steps) {mine['loss']:.4f} vs {hf['loss']:.4f}",
                 flush=True,
             )
-        mean = math.exp(statistics.mean(math.log(r) for r in ratios))
+        mean = statistics.geometric_mean
         options = (", LoRA" if args.lora else "") + (", packing" if args.packing else "")
         options += ", gradient checkpointing" if args.gradient_checkpointing else ""
         loss_ours, loss_theirs = (statistics.mean(r["loss"] for r in results) for results in (ours, theirs))
         print(
             f"\n{args.nproc} process(es), micro-batch {args.micro_batch}, {args.steps} steps, max_length "
             f"{args.max_length}{options}\n"
-            f"throughput ratio trainer / HF Trainer: {mean:.3f} (geometric mean of {len(ratios)} rounds; "
-            f"min {min(ratios):.3f}, max {max(ratios):.3f}; goal >= 1.0)\n"
+            f"throughput ratio trainer / HF Trainer: {mean(ratios):.3f} (geometric mean of {len(ratios)} "
+            f"rounds; min {min(ratios):.3f}, max {max(ratios):.3f}; goal >= 1.0)\n"
             f"final loss (mean of the last {LAST} steps): trainer {loss_ours:.4f}, "
             f"HF Trainer {loss_theirs:.4f}"
         )
+        if args.baseline:
+            print(
+                f"baseline ({args.baseline}) / HF Trainer: {mean(baseline_ratios):.3f}; "
+                f"this checkout / baseline: {mean(ratios) / mean(baseline_ratios):.3f}"
+            )
         import torch
 
         if torch.cuda.is_available():

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs
+from torch.nn.parallel import DistributedDataParallel
 
 from trainer.node.engines import Batch, Engine
-from trainer.node.engines.ddp import ddp_options
+from trainer.node.engines.ddp import DDP_OPTIONS, sync_buffers_only_if_trained
+from trainer.node.hf.lora import keep_adapter_inputs_in_compute_dtype
 from trainer.node.optim import build_optimizer
 
 STATE_DIR = "accelerate"
@@ -27,11 +29,15 @@ class AccelerateEngine(Engine):
         self.accelerator = Accelerator(
             cpu=not topology.device.startswith("cuda"),
             mixed_precision="bf16" if bf16 else "no",
-            kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options(model))],
+            kwargs_handlers=[DistributedDataParallelKwargs(**DDP_OPTIONS)],
         )
+        if bf16:  # prepare() wraps the forward in bf16 autocast
+            keep_adapter_inputs_in_compute_dtype(model)
         optimizer, self.scheduler = build_optimizer(model, self.config)
         # The scheduler is not prepared: accelerate would step it once per process per step.
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if isinstance(self.model, DistributedDataParallel):  # several processes
+            sync_buffers_only_if_trained(self.model)
         self.accelerator.register_for_checkpointing(self.scheduler)
         self.module = self.accelerator.unwrap_model(self.model)
         # The trained parameters only: a LoRA base's frozen weights have no gradient to clip.

@@ -10,24 +10,27 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.node.engines import Batch, Engine, frozen_parameter_names
+from trainer.node.hf.lora import keep_adapter_inputs_in_compute_dtype
 from trainer.node.optim import build_optimizer
 
 STATE_FILE = "ddp_state.pt"
 
 
-def ddp_options(module: torch.nn.Module) -> dict[str, bool]:
-    """How the ddp and accelerate engines wrap a model in DistributedDataParallel (beyond its defaults).
+#: What the ddp and accelerate engines give DistributedDataParallel beyond its defaults.
+#: gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of being copied out
+#: of them after each all-reduce (the same values; one copy and one gradient's memory less).
+DDP_OPTIONS = {"gradient_as_bucket_view": True}
 
-    - broadcast_buffers only for a model with running statistics (batch norm): DDP's default broadcasts
-      every buffer from rank 0 before each forward, a collective per micro-batch. A decoder's buffers
-      (rotary frequencies, causal masks) are constants, equal on every rank from the start.
-    - gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of being copied
-      out of them after each all-reduce (the same values, one copy and one gradient's memory less)."""
-    running_stats = any(
+
+def sync_buffers_only_if_trained(ddp: DistributedDataParallel) -> None:
+    """DDP broadcasts every buffer from rank 0 before each forward by default: a collective per
+    micro-batch. Only running statistics (batch norm) change in training; a decoder's buffers (rotary
+    frequencies, causal masks) are constants, made equal on every rank when DDP wraps the model.
+    (The attribute, not the constructor's argument: that one also skips the sync at wrapping.)"""
+    ddp.broadcast_buffers = any(
         getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None
-        for m in module.modules()
+        for m in ddp.module.modules()
     )
-    return {"broadcast_buffers": running_stats, "gradient_as_bucket_view": True}
 
 
 class DDPEngine(Engine):
@@ -39,8 +42,11 @@ class DDPEngine(Engine):
         self.module = model.to(topology.device)
         device_type = torch.device(topology.device).type
         self.autocast = lambda: torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
+        if bf16:
+            keep_adapter_inputs_in_compute_dtype(self.module)
         device_ids = [topology.local_rank] if topology.device.startswith("cuda") else None
-        self.model = DistributedDataParallel(self.module, device_ids=device_ids, **ddp_options(self.module))
+        self.model = DistributedDataParallel(self.module, device_ids=device_ids, **DDP_OPTIONS)
+        sync_buffers_only_if_trained(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.module, self.config)
         # The trained parameters only: a LoRA base's frozen weights have no gradient to clip.
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
