@@ -17,7 +17,7 @@ import pytest
 from fake_launch import fake_launch, one_node_cluster, trainer
 from loopback import REPO
 
-NODE_PROGRAM = REPO / "trainer" / "controller" / "launcher" / "playbooks" / "templates" / "node_ctl.py"
+NODE_PROGRAM = REPO / "trainer" / "controller" / "launcher" / "playbooks" / "files" / "node_ctl.py"
 #: The planting account: not the one the helper runs as.
 NOBODY = 65534
 #: A helper that says the trainer exited cleanly and was stopped, whatever the node's state (the

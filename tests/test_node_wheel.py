@@ -48,6 +48,8 @@ def test_the_node_wheel_is_reproducible_and_lists_only_the_training_stack(tmp_pa
     assert "trainer/controller/launcher/playbooks/action_plugins/launch_node.py" in files
     # And the lookup its prestarted start reads the plan with (without it no launch overlaps them).
     assert "trainer/controller/launcher/playbooks/lookup_plugins/runner_late_vars.py" in files
+    # And the helper it ships to every node (start, status, stop, the run lock).
+    assert "trainer/controller/launcher/playbooks/files/node_ctl.py" in files
 
 
 def test_a_cache_others_can_write_is_refused(tmp_path) -> None:

@@ -453,8 +453,8 @@ def test_interface_auto_puts_loopback_nodes_on_lo_as_launch_does():
     results = interfaces.evaluate(_cluster(w2={"cluster_ip": "10.0.0.7"}), facts, _no_answer)
     assert [r.status for r in results if r.subject == "w2"] == [FAIL]
 
-    template = Path(interfaces.__file__).parents[1] / "launcher/playbooks/templates/node_ctl.py"
-    spec = importlib.util.spec_from_file_location("node_ctl", template)
+    helper = Path(interfaces.__file__).parents[1] / "launcher/playbooks/files/node_ctl.py"
+    spec = importlib.util.spec_from_file_location("node_ctl", helper)
     node_ctl = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(node_ctl)
     for resolve in (node_ctl.interface_of, node_ctl.interface_of_by_ioctl):

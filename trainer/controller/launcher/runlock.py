@@ -3,7 +3,7 @@
 Two launches of one run name would both pass the probe (nothing runs yet), then the second's start
 would clear the first's node state and each would stop the other. So every launch takes
 `<run>/launch/lock` on the head (where the run's dir lives; every node sees it through the shared
-dir) before its probe, as the training user, through the node helper (templates/node_ctl.py, op
+dir) before its probe, as the training user, through the node helper (playbooks/files/node_ctl.py, op
 `lock`: the file is linked into place whole, so of two launches one gets it). The file names its
 holder: the controller's host name, the launcher's pid and that process's start time, the user and
 when it was taken. The launcher keeps it across its restarts (--max-restarts) and releases it on
@@ -90,7 +90,7 @@ class RunLock:
         }
 
     def request(self, action: str = "acquire", take_over: str | None = None) -> dict[str, Any]:
-        """The node helper's lock request (templates/node_ctl.py, `lock`)."""
+        """The node helper's lock request (playbooks/files/node_ctl.py, `lock`)."""
         request: dict[str, Any] = {
             "launch_dir": self.launch_dir,
             "action": action,

@@ -1,6 +1,6 @@
 """`node-N/run.sh`: what one node runs for a launch, written by the launcher's start step.
 
-The node's helper (playbooks/templates/node_ctl.py) starts it with setsid (its own process group,
+The node's helper (playbooks/files/node_ctl.py) starts it with setsid (its own process group,
 so a stop reaches every process), and `trainer launch` watches `log` and `exit` next to it. It is
 also the file to run by hand: as the training user on its node, all nodes at about the same time.
 

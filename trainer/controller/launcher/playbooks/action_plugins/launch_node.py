@@ -4,7 +4,7 @@
       launch_node:
         op: probe            # lock | probe | check | start | status | watch | stop | pids | whoami
         python: /srv/venv/bin/python
-        request: {...}       # the JSON request for templates/node_ctl.py (see its docstring)
+        request: {...}       # the JSON request for files/node_ctl.py (see its docstring)
 
 Every op but `whoami` runs the node's python with a short bootstrap and the request on stdin, the
 helper's own text included: no module is built (AnsiballZ costs a second or more per task on a busy
@@ -38,7 +38,7 @@ from typing import Any
 from ansible.errors import AnsibleConnectionFailure, AnsibleError
 from ansible.plugins.action import ActionBase
 
-NODE_PROGRAM = (Path(__file__).resolve().parent.parent / "templates" / "node_ctl.py").read_text()
+NODE_PROGRAM = (Path(__file__).resolve().parent.parent / "files" / "node_ctl.py").read_text()
 #: Names the compiled helper a node keeps in its node dir (a poll then skips compiling it).
 NODE_PROGRAM_DIGEST = hashlib.sha256(NODE_PROGRAM.encode()).hexdigest()[:16]
 #: Reads the request (with the helper's text) from stdin and hands it to node_ctl.serve. The helper
