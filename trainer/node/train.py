@@ -1,12 +1,19 @@
 """`trainer train`: one training worker, alone or under torchrun / deepspeed / accelerate launch.
 
-Order matters: the config, the data and whether the model can fit in memory are checked on every
-rank before the process group starts, so a bad value fails fast and identically everywhere (rank 0
-says why) instead of one rank hanging. Then, still before anything is written: the checkpoint to
-resume from is checked against this run (trusted files, settings, data and vocabulary); with the
-process group up, rank 0 takes output_dir's job lock (trainer.joblock: a second job on the same
-output dir is refused, exit 2, every rank together) and removes what an interrupted write of the
-trainer left, and a resumed run that has no room for its next checkpoint stops (exit NO_SPACE).
+Order matters. `_run`, on every rank before the process group starts: the config, this node (GPUs,
+optimizer), the job (trainer.node.job: the built-in GPT or a Hugging Face fine-tune) with its data
+prepared, and whether the model can fit in memory; a bad value fails fast and identically everywhere
+(rank 0 says why) instead of one rank hanging. Then `train`, as phases:
+
+1. discover: this rank's place in the job (trainer.node.distributed);
+2. resume check, still before anything is written: the checkpoint to resume from is checked against
+   this run (trusted files, settings, data and vocabulary);
+3. start: the process group; rank 0 takes output_dir's job lock (trainer.joblock: a second job on the
+   same output dir is refused, exit 2, every rank together) and removes what an interrupted write of
+   the trainer left; a resumed run that has no room for its next checkpoint stops (exit NO_SPACE);
+4. build: the job's model in its engine, the batches, run.json;
+5. loop (trainer.node.loop), then the job's final save;
+6. teardown in `finally`: every rank leaves together where it can, the lock released last.
 """
 
 from __future__ import annotations
@@ -14,17 +21,51 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import sys
 import traceback
-from typing import TYPE_CHECKING
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from trainer import exitcodes
-from trainer.node import exit_record
+from trainer.joblock import LOCK_FILE, JobLock, Locked, job_from_env
+from trainer.node import distributed, exit_record
+from trainer.node.accelerators import AcceleratorMismatch, check_visible_gpus
+from trainer.node.checkpoint import (
+    CheckpointWriter,
+    DiskFull,
+    check_resumable,
+    find_resume_point,
+    free_bytes,
+    human_size,
+    read_state,
+    remove_leftovers,
+    resume_fingerprint,
+    says_no_space,
+    space_problem,
+)
+from trainer.node.config import ConfigError, TrainerConfig, dump_config, format_config_keys, load_config
+from trainer.node.data import DataError, required_repeats
+from trainer.node.distributed import world_size_from_env
+from trainer.node.engines import create_engine
+from trainer.node.engines.ds_json import load_user_config, merge_user_config
+from trainer.node.health import start_monitor
+from trainer.node.hf.evaluation import eval_loss
+from trainer.node.job import Job, prepare_job
+from trainer.node.loop import Trainer
+from trainer.node.memory import MEMORY_FIXES, check_fits, is_out_of_memory, out_of_memory_error
+from trainer.node.metrics import RUN_FILE, Reporter
+from trainer.node.optim import check_optimizer
+from trainer.node.progress import Progress
 from trainer.peer_loss import is_peer_loss
 
 if TYPE_CHECKING:
-    from trainer.node.config import TrainerConfig
-    from trainer.node.loop import StepHook
+    from trainer.node.distributed import Topology
+    from trainer.node.engines import Engine
+    from trainer.node.health.monitor import HealthMonitor
+    from trainer.node.loop import StepHook, StepResult
 
 EXAMPLES = (
     "trainer train --dry-run --set train.max_steps=200  # check the config and data sizing, train nothing",
@@ -126,59 +167,17 @@ def record_error(error: BaseException) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from trainer.node.accelerators import AcceleratorMismatch, check_visible_gpus
-    from trainer.node.checkpoint import DiskFull
-    from trainer.node.config import ConfigError, dump_config, load_config
-    from trainer.node.data import DataError, count_samples, read_text, required_repeats
-    from trainer.node.distributed import world_size_from_env
-
+    """Everything a rank can check alone (the config, this node, the data, the memory), then `train`."""
     if args.help_config:
-        from trainer.node.config import format_config_keys
-
         print(format_config_keys())
         return exitcodes.OK
     try:
-        config = load_config(config_path(args), args.overrides)
-        config.health.webhook_target()  # a webhook file or variable is the node's: checked here
-        if _rank() == 0:  # rank 0 writes the trackers: their packages must be there, checked here
-            config.metrics.check_installed()
-        world_size = world_size_from_env()
-        if config.distributed.deepspeed_config:  # the user's DeepSpeed JSON: refused here, on every rank
-            from trainer.node.engines.ds_json import load_user_config, merge_user_config
-
-            merge_user_config(
-                load_user_config(config.distributed.deepspeed_config),
-                config.distributed.deepspeed_config,
-                train=config.train,
-                distributed=config.distributed,
-                world_size=world_size,
-                bf16=None,
-            )
-        optimizer_note = None
-        if not args.dry_run:
-            check_visible_gpus()
-            from trainer.node.optim import check_optimizer
-
-            optimizer_note = check_optimizer(config.train, device_type=_device_type())
-        corpus = None
-        if config.model.name_or_path:
-            # The model directory, tokenizer, LoRA targets and every record are checked here, on every
-            # rank, before the process group: bad input stops all ranks at once with the same message.
-            from trainer.node.hf.job import FineTune
-
-            corpus = FineTune.prepare(config, world_size, keep_data=not args.dry_run)
-            samples = corpus.num_samples
-        elif args.dry_run:
-            samples = count_samples(len(read_text(config.data.path)), config.data.block_size)
-        else:
-            from trainer.node.data import load_corpus
-
-            corpus = load_corpus(config.data)
-            samples = corpus.num_samples
+        config, world_size, optimizer_note = _load_config(args)
+        job = prepare_job(config, world_size, dry_run=args.dry_run)
         if not args.dry_run:  # a dry run may be made elsewhere than on the node
-            _check_memory(config, corpus, world_size)
+            _check_memory(config, job, world_size)
         repeats, note = required_repeats(
-            samples,
+            job.num_samples,
             config.data,
             config.train.micro_batch_size,
             world_size,
@@ -187,12 +186,14 @@ def _run(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(dump_config(config), end="")
         # With train.num_epochs the steps follow from the prepared data: known only now.
-        steps_note = config.train.derive_max_steps(rows=samples, repeats=repeats, world_size=world_size)
+        steps_note = config.train.derive_max_steps(
+            rows=job.num_samples, repeats=repeats, world_size=world_size
+        )
         if args.dry_run:
-            for line in [*getattr(corpus, "notes", []), *([steps_note] if steps_note else [])]:
+            for line in [*job.notes, *([steps_note] if steps_note else [])]:
                 print(f"# {line}")
             print(
-                f"# world size {world_size}: {samples} samples × {repeats} repeats; "
+                f"# world size {world_size}: {job.num_samples} samples × {repeats} repeats; "
                 f"{note or 'the dataset fills the effective batch'}"
             )
             return exitcodes.OK
@@ -209,11 +210,8 @@ def _run(args: argparse.Namespace) -> int:
         _error(f"data error: {err}")
         return exitcodes.DATA_ERROR
     try:
-        notes = [
-            *getattr(corpus, "notes", []),
-            *(line for line in (note, steps_note, optimizer_note) if line),
-        ]
-        return train(config, corpus, repeats=repeats, notes=notes)
+        notes = [*job.notes, *(line for line in (note, steps_note, optimizer_note) if line)]
+        return train(config, job, repeats=repeats, notes=notes)
     except ConfigError as err:  # checkpoint.resume naming a bad path is found once the run starts
         _error(f"config error: {err}")
         return exitcodes.CONFIG_ERROR
@@ -224,10 +222,32 @@ def _run(args: argparse.Namespace) -> int:
         return 130
 
 
+def _load_config(args: argparse.Namespace) -> tuple[TrainerConfig, int, str | None]:
+    """The config, with what only this node can check (webhook, trackers, the user's DeepSpeed JSON, the
+    GPUs, the optimizer); the world size; the optimizer's log line (or None)."""
+    config = load_config(config_path(args), args.overrides)
+    config.health.webhook_target()  # a webhook file or variable is the node's: checked here
+    if _rank() == 0:  # rank 0 writes the trackers: their packages must be there, checked here
+        config.metrics.check_installed()
+    world_size = world_size_from_env()
+    if config.distributed.deepspeed_config:  # the user's DeepSpeed JSON: refused here, on every rank
+        merge_user_config(
+            load_user_config(config.distributed.deepspeed_config),
+            config.distributed.deepspeed_config,
+            train=config.train,
+            distributed=config.distributed,
+            world_size=world_size,
+            bf16=None,
+        )
+    optimizer_note = None
+    if not args.dry_run:
+        check_visible_gpus()
+        optimizer_note = check_optimizer(config.train, device_type=_device_type())
+    return config, world_size, optimizer_note
+
+
 def config_path(args: argparse.Namespace) -> str | None:
     """The config file named as CONFIG or --config (ConfigError when both name different files)."""
-    from trainer.configerror import ConfigError
-
     if args.config_file and args.config and args.config_file != args.config:
         raise ConfigError(
             "--config",
@@ -243,31 +263,18 @@ def _device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_memory(config: TrainerConfig, corpus, world_size: int) -> None:
+def _check_memory(config: TrainerConfig, job: Job, world_size: int) -> None:
     """ConfigError("model") if the model's weights, gradients and optimizer state alone cannot fit in
-    this node's memory (trainer.node.model.check_fits): before the process group or any file."""
-    import torch
-
-    from trainer.node.model import check_fits, parameter_count
-
+    this node's memory (trainer.node.memory.check_fits): before the process group or any file."""
     distributed = config.distributed
     if distributed.deepspeed_config:
-        from trainer.node.engines.ds_json import load_user_config
-
         zero = load_user_config(distributed.deepspeed_config).get("zero_optimization", {})
         offload = [zero.get(name) for name in ("offload_optimizer", "offload_param")]
         if any(isinstance(o, dict) and o.get("device", "none") != "none" for o in offload):
             return  # where offloaded state lives (CPU, NVMe) is the user's plan: not second-guessed
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    if config.model.name_or_path:
-        parameters, trained = corpus.parameter_counts()
-        weight_bytes = 0.5 if config.lora.qlora else corpus.weights_dtype(device.startswith("cuda")).itemsize
-    else:
-        parameters = parameter_count(
-            config.model, vocab_size=len(corpus.vocab), block_size=config.data.block_size
-        )
-        trained, weight_bytes = parameters, 4
+    device = f"cuda:{local_rank}" if _device_type() == "cuda" else "cpu"
+    parameters, trained, weight_bytes = job.footprint(on_gpu=device.startswith("cuda"))
     check_fits(
         parameters=parameters,
         trained=trained,
@@ -281,42 +288,12 @@ def _check_memory(config: TrainerConfig, corpus, world_size: int) -> None:
 
 
 def train(
-    config: TrainerConfig, corpus, *, repeats: int, notes: list[str], hooks: list[StepHook] | None = None
+    config: TrainerConfig, job: Job, *, repeats: int, notes: list[str], hooks: list[StepHook] | None = None
 ) -> int:
-    """Start the process group, build model and engine, resume, run the loop, leave cleanly.
+    """discover → resume check → start → build → loop; teardown in `finally`, every rank together.
 
-    corpus: the built-in GPT's text (trainer.node.data.Corpus), or a Hugging Face fine-tuning job
-    (trainer.node.hf.job.FineTune) when model.name_or_path is set."""
-    import random
-    from pathlib import Path
-
-    import numpy as np
-    import torch
-
-    from trainer.joblock import JobLock, job_from_env
-    from trainer.node import distributed
-    from trainer.node.checkpoint import (
-        CheckpointWriter,
-        DiskFull,
-        check_resumable,
-        find_resume_point,
-        free_bytes,
-        human_size,
-        read_state,
-        remove_leftovers,
-        resume_fingerprint,
-        says_no_space,
-        space_problem,
-    )
-    from trainer.node.config import ConfigError, dump_config
-    from trainer.node.data import ShardedBatches
-    from trainer.node.engines import create_engine
-    from trainer.node.health import start_monitor
-    from trainer.node.loop import Trainer
-    from trainer.node.metrics import RUN_FILE, Reporter
-    from trainer.node.model import GPT, MEMORY_FIXES, is_out_of_memory, out_of_memory_error
-    from trainer.node.progress import Progress
-
+    job: what is trained (trainer.node.job: the built-in GPT, or a Hugging Face fine-tune when
+    model.name_or_path is set), prepared by `_run`."""
     topology = distributed.discover(config.distributed.backend)
     output_dir = Path(config.output_dir)
     reporter = Reporter(
@@ -326,46 +303,8 @@ def train(
         metrics=config.metrics,
         hparams=config.to_dict(),
     )
-    resume_from, resume_note = find_resume_point(config.checkpoint, output_dir)
-    identity = corpus.identity  # the vocabulary and the data, by content
-    resume_warnings = []
-    if resume_from is not None:
-        resume_warnings = check_resumable(
-            resume_from, config, world_size=topology.world_size, identity=identity
-        )
-    distributed.start(topology, config.distributed.timeout_s)
-    # One job per output dir: a second job's start would delete this one's checkpoint in flight.
-    job_lock = JobLock(output_dir, job=job_from_env()) if topology.is_main else None
-    try:
-        _take_job_lock(job_lock, reporter.info)
-        if topology.is_main:
-            # Before anything is written: an interrupted write (a kill, a full disk) may hold the
-            # space this run's first write needs.
-            remove_leftovers(output_dir, reporter.info)
-        _check_output_dir_is_shared(output_dir, topology)
-        if resume_from is not None:
-            resumed = int(read_state(resume_from).get("step", 0))
-            if resumed < config.train.max_steps:
-                # The next checkpoint is as big as this one: without room for it, training is lost work.
-                save_steps = config.checkpoint.save_steps
-                next_save = resumed + save_steps - resumed % save_steps if save_steps else 0
-                next_save = min(next_save or config.train.max_steps, config.train.max_steps)
-                problem = distributed.gather(
-                    space_problem(
-                        output_dir / "checkpoints",
-                        step=next_save,
-                        save_total_limit=config.checkpoint.save_total_limit,
-                    )
-                    if topology.is_main
-                    else None
-                )[0]
-                if problem:
-                    raise DiskFull(problem, everywhere=True)
-    except (ConfigError, DiskFull):
-        distributed.shutdown(clean=True)  # every rank found the same problem: they leave together
-        if job_lock is not None:
-            job_lock.release()
-        raise
+    resume_from, resume_notes = _resume_point(config, job, topology.world_size)
+    job_lock = _start(config, topology, reporter, resume_from)
     clean = False
     on_gpu = topology.device.startswith("cuda")
     health = start_monitor(
@@ -378,191 +317,36 @@ def train(
     )
     # The step each rank is in, for the launcher's stall watchdog (nothing outside `trainer launch`).
     progress = Progress.from_env(topology.rank, topology.local_rank)
+    trainer = None
     try:
-        for note in [*notes, resume_note, *resume_warnings]:
-            if note:
-                reporter.info(note)
-        bf16 = config.train.mixed_precision == "bf16" or (
-            config.train.mixed_precision == "auto"
-            and torch.cuda.is_available()
-            and torch.cuda.is_bf16_supported()
-        )
-        finetune = corpus if config.model.name_or_path else None
-        if finetune is not None:
-            # bf16 weights need DeepSpeed's bf16 mode (it keeps fp32 master copies of them).
-            bf16 = bf16 or finetune.weights_dtype(on_gpu) == torch.bfloat16
-        # Same seed everywhere for the initial weights; then a per-rank offset so dropout differs.
-        seed = config.train.seed
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            if finetune is not None:
-                model, model_line = finetune.build_model(topology, bf16=bf16)
-            else:
-                model = GPT(config.model, vocab_size=len(corpus.vocab), block_size=config.data.block_size)
-                parameter_count = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions
-                model_line = f"{parameter_count:,} parameters"
-            if config.train.compile:
-                model.compile()
-            engine = create_engine(config.train, config.distributed, output_dir, topology, model, bf16=bf16)
-        except Exception as error:  # the estimate before the start is a lower bound: the real thing
-            if is_out_of_memory(error):
-                raise out_of_memory_error(error) from None
-            raise
-        random.seed(seed + topology.rank)
-        np.random.seed(seed + topology.rank)
-        torch.manual_seed(seed + topology.rank)
-        evaluate = None
-        if finetune is not None:
-            packing_note = finetune.check_packing(engine)
-            if packing_note:
-                reporter.info(packing_note)
-            batches = finetune.batches(topology, repeats=repeats)
-            eval_batches = finetune.eval_batches(topology)
-            if eval_batches is not None:
-                from trainer.node.hf.evaluation import eval_loss
-
-                def evaluate() -> float:
-                    return eval_loss(engine, eval_batches, topology.device)
-
-            data_facts = finetune.facts
-        else:
-            batches = ShardedBatches(
-                corpus,
-                repeats=repeats,
-                micro_batch_size=config.train.micro_batch_size,
-                rank=topology.rank,
-                world_size=topology.world_size,
-                seed=seed,
-                device=topology.device,
-            )
-            data_facts = {
-                "path": config.data.path or "pydoc_data.topics (bundled)",
-                "characters": len(corpus.ids),
-                "vocab_size": len(corpus.vocab),
-                "samples": corpus.num_samples,
-            }
-        hosts = distributed.gather(topology.to_dict())
-        reporter.write_json(
-            RUN_FILE,
-            {
-                "config": config.to_dict(),
-                "topology": {
-                    "world_size": topology.world_size,
-                    "num_nodes": topology.num_nodes,
-                    "engine": config.distributed.engine,
-                    "backend": topology.backend,
-                    "device": topology.device,
-                    "bf16": bf16,
-                    "ranks": hosts,
-                },
-                "steps": config.train.steps_record(
-                    rows=corpus.num_samples, repeats=repeats, world_size=topology.world_size
-                ),
-                "data": {
-                    **data_facts,
-                    "repeats": repeats,
-                    "effective_batch": config.train.micro_batch_size
-                    * topology.world_size
-                    * config.train.gradient_accumulation_steps,
-                },
-            },
-        )
-        reporter.info(
-            f"training {model_line} with "
-            f"{config.distributed.engine} on {topology.world_size} process(es), "
-            f"{topology.num_nodes} node(s), {topology.device}"
-            f"{', bf16' if bf16 else ''}; output in {output_dir}"
-        )
-        if topology.is_main and os.environ.get("TRAINER_PRINT_CONFIG"):
-            print(dump_config(config), end="")
-        checkpoints = CheckpointWriter(
-            config.checkpoint,
-            output_dir,
-            rank=topology.rank,
-            barrier=distributed.barrier,
-            log=reporter.info,
-            share=lambda value: distributed.gather(value)[0],
-        )
-        trainer = Trainer(
-            train_config=config.train,
-            save_steps=config.checkpoint.save_steps,
-            fingerprint=resume_fingerprint(config, identity),
-            topology=topology,
-            engine=engine,
-            batches=batches,
-            checkpoints=checkpoints,
-            reporter=reporter,
+        for line in [*notes, *resume_notes]:
+            if line:
+                reporter.info(line)
+        trainer = _build(
+            config,
+            job,
+            topology,
+            reporter,
+            repeats=repeats,
             resume_from=resume_from,
-            hooks=(*(hooks or ()), progress.step_done, *health.step_hooks(on_gpu=on_gpu)),
-            evaluate=evaluate,
-            eval_every=config.eval.every_steps,
+            hooks=(*(hooks or ()), *health.step_hooks(on_gpu=on_gpu)),
             on_step_start=progress.started,
+            on_step_end=progress.step_done,
         )
         code = trainer.train()
-        if code == exitcodes.GPU_FAULT:  # the breaker's per-step check stopped every rank together
-            if (fault := health.fault) is not None:
-                exit_record.note(
-                    f"GPU fault: GPU {fault.gpu} (uuid {fault.uuid}) of rank {fault.rank} tripped the health "
-                    f"check, {fault.metric}={fault.value}"
-                )
-            else:
-                exit_record.note(
-                    "stopped because another rank's GPU tripped the health check", consequence=True
-                )
-        if finetune is not None and code == exitcodes.OK:
-            final = output_dir / "final"
-            if trainer.steps_this_run or not final.is_dir():
-                reporter.info(
-                    f"final model: {finetune.write_final(engine, output_dir, is_main=topology.is_main)}"
-                )
+        _note_gpu_fault(code, health)
+        if code == exitcodes.OK:
+            final = job.save_final(
+                trainer.engine, output_dir, is_main=topology.is_main, trained=bool(trainer.steps_this_run)
+            )
+            if final is not None:
+                reporter.info(f"final model: {final}")
         reporter.write_report()  # rank 0's PNG curves; a failure to draw is a warning, never the run's
         clean = True  # every rank got here with the same code: leaving together is safe
         return code
     except Exception as error:
-        # A CUDA error in the step, or any error after this rank's GPU faulted: exit 75, not 1.
-        if (code := health.exit_code_for(error, on_gpu=on_gpu)) is not None:
-            exit_record.note(f"GPU fault: {_last_line(error)}")
-            return code
-        if isinstance(
-            error, ConfigError
-        ):  # found at load or build: a checkpoint or a model that does not fit
-            exit_record.note(f"config error: {error}")
-            if topology.is_main or error.key == "model":  # memory runs out on one rank, not on all
-                print(f"trainer: config error: {error}", file=sys.stderr, flush=True)
-            return exitcodes.CONFIG_ERROR
-        if isinstance(error, DiskFull):
-            clean = error.everywhere
-            exit_record.note(str(error))
-            if topology.is_main or not error.everywhere:
-                print(f"trainer: {error}", file=sys.stderr, flush=True)
-            return exitcodes.NO_SPACE
-        if says_no_space(error):  # run.json, metrics.jsonl, ds_config.json, the final model
-            _say(
-                f"rank {topology.rank}: no space left on device in {output_dir} "
-                f"({_failed_file(error)}): {human_size(free_bytes(output_dir))} free; the checkpoints "
-                "written so far are intact; free space there, then run the same command again to resume"
-            )
-            return exitcodes.NO_SPACE
-        if is_out_of_memory(error):  # the estimate at start leaves activations out: the step found them
-            _say(
-                f"rank {topology.rank}: config error: model: training ran out of memory "
-                f"({_last_line(error)}); use a smaller train.micro_batch_size (more "
-                f"train.gradient_accumulation_steps keep the effective batch), "
-                f"train.gradient_checkpointing=true (Hugging Face models), or {MEMORY_FIXES}"
-            )
-            return exitcodes.CONFIG_ERROR
-        if isinstance(error, RuntimeError) and is_peer_loss(str(error)):
-            # A consequence (another rank died first, or its node vanished), not a cause: one line, no
-            # traceback; the launcher orders the ranks' exit records to name the first cause.
-            first = str(error).strip().splitlines()[0][:300]
-            _say(f"rank {topology.rank} stopped: another rank failed first ({first})", consequence=True)
-            return exitcodes.FAILURE
-        exit_record.note(_last_line(error))
-        print(f"trainer: rank {topology.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        record_error(error)
-        return exitcodes.FAILURE
+        code, clean = _failure(error, topology, output_dir, health)
+        return code
     finally:
         progress.close()
         health.stop()
@@ -570,11 +354,270 @@ def train(
         # the group's last holder (after destroy_process_group) its destructor joined gloo's worker
         # thread while holding the GIL that thread waited for: a finished rank hung at exit (seen
         # with gdb, 2 of 12 runs on a loaded machine) until the launcher's stall timeout.
-        model = engine = trainer = evaluate = None
+        trainer = None
         gc.collect()
         distributed.shutdown(clean)
         if job_lock is not None:  # after the last write of every rank (a clean shutdown waits for them)
             job_lock.release()
+
+
+def _resume_point(config: TrainerConfig, job: Job, world_size: int) -> tuple[Path | None, list[str | None]]:
+    """The checkpoint to resume from (or None), checked against this run before the process group
+    starts (ConfigError on every rank); its notes for the log."""
+    resume_from, resume_note = find_resume_point(config.checkpoint, Path(config.output_dir))
+    warnings = []
+    if resume_from is not None:
+        # The vocabulary and the data, by content.
+        warnings = check_resumable(resume_from, config, world_size=world_size, identity=job.identity)
+    return resume_from, [resume_note, *warnings]
+
+
+def _start(
+    config: TrainerConfig, topology: Topology, reporter: Reporter, resume_from: Path | None
+) -> JobLock | None:
+    """The process group, output_dir's job lock (rank 0 holds it: returned), the leftovers of an
+    interrupted write removed, output_dir seen by every rank, room for a resumed run's next checkpoint.
+    A refusal (ConfigError, DiskFull) is every rank's: they leave together, the lock released."""
+    output_dir = Path(config.output_dir)
+    distributed.start(topology, config.distributed.timeout_s)
+    # One job per output dir: a second job's start would delete this one's checkpoint in flight.
+    job_lock = JobLock(output_dir, job=job_from_env()) if topology.is_main else None
+    try:
+        _take_job_lock(job_lock, reporter.info)
+        if topology.is_main:
+            # Before anything is written: an interrupted write (a kill, a full disk) may hold the
+            # space this run's first write needs.
+            remove_leftovers(output_dir, reporter.info)
+        _check_output_dir_is_shared(output_dir, topology)
+        if resume_from is not None:
+            _check_room_to_resume(config, topology, resume_from)
+    except (ConfigError, DiskFull):
+        distributed.shutdown(clean=True)  # every rank found the same problem: they leave together
+        if job_lock is not None:
+            job_lock.release()
+        raise
+    return job_lock
+
+
+def _check_room_to_resume(config: TrainerConfig, topology: Topology, resume_from: Path) -> None:
+    """DiskFull on every rank if a resumed run that still has steps to train has no room for its next
+    checkpoint: it is as big as the one resumed, and without room for it, training is lost work."""
+    resumed = int(read_state(resume_from).get("step", 0))
+    if resumed >= config.train.max_steps:
+        return
+    save_steps = config.checkpoint.save_steps
+    next_save = resumed + save_steps - resumed % save_steps if save_steps else 0
+    next_save = min(next_save or config.train.max_steps, config.train.max_steps)
+    problem = distributed.gather(
+        space_problem(
+            Path(config.output_dir) / "checkpoints",
+            step=next_save,
+            save_total_limit=config.checkpoint.save_total_limit,
+        )
+        if topology.is_main
+        else None
+    )[0]
+    if problem:
+        raise DiskFull(problem, everywhere=True)
+
+
+def _build(
+    config: TrainerConfig,
+    job: Job,
+    topology: Topology,
+    reporter: Reporter,
+    *,
+    repeats: int,
+    resume_from: Path | None,
+    hooks: tuple[StepHook, ...],
+    on_step_start: Callable[[int], None],
+    on_step_end: Callable[[StepResult], None],
+) -> Trainer:
+    """The model in its engine, the batches, run.json and the first log lines; the loop that trains."""
+    on_gpu = topology.device.startswith("cuda")
+    # bf16 weights need DeepSpeed's bf16 mode (it keeps fp32 master copies of them).
+    bf16 = _mixed_precision_bf16(config) or job.bf16_weights(on_gpu)
+    # Same seed everywhere for the initial weights; then a per-rank offset so dropout differs.
+    seed = config.train.seed
+    _seed(seed)
+    engine, model_line = _build_engine(config, job, topology, bf16=bf16)
+    _seed(seed + topology.rank)
+    note = job.after_engine(engine)
+    if note:
+        reporter.info(note)
+    batches = job.batches(topology, repeats=repeats)
+    evaluate = _evaluator(engine, job.eval_batches(topology), topology.device)
+    _write_run_file(config, job, topology, reporter, bf16=bf16, repeats=repeats)
+    reporter.info(
+        f"training {model_line} with "
+        f"{config.distributed.engine} on {topology.world_size} process(es), "
+        f"{topology.num_nodes} node(s), {topology.device}"
+        f"{', bf16' if bf16 else ''}; output in {Path(config.output_dir)}"
+    )
+    if topology.is_main and os.environ.get("TRAINER_PRINT_CONFIG"):
+        print(dump_config(config), end="")
+    checkpoints = CheckpointWriter(
+        config.checkpoint,
+        config.output_dir,
+        rank=topology.rank,
+        barrier=distributed.barrier,
+        log=reporter.info,
+        share=lambda value: distributed.gather(value)[0],
+    )
+    return Trainer(
+        train_config=config.train,
+        save_steps=config.checkpoint.save_steps,
+        fingerprint=resume_fingerprint(config, job.identity),
+        topology=topology,
+        engine=engine,
+        batches=batches,
+        checkpoints=checkpoints,
+        reporter=reporter,
+        resume_from=resume_from,
+        hooks=hooks,
+        evaluate=evaluate,
+        eval_every=config.eval.every_steps,
+        on_step_start=on_step_start,
+        on_step_end=on_step_end,
+    )
+
+
+def _mixed_precision_bf16(config: TrainerConfig) -> bool:
+    import torch
+
+    return config.train.mixed_precision == "bf16" or (
+        config.train.mixed_precision == "auto"
+        and torch.cuda.is_available()
+        and torch.cuda.is_bf16_supported()
+    )
+
+
+def _seed(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _build_engine(config: TrainerConfig, job: Job, topology: Topology, *, bf16: bool) -> tuple[Engine, str]:
+    """The job's model (compiled if asked) in the configured engine, and the log's line for it. Running
+    out of memory here is the config's problem, said as such."""
+    try:
+        model, model_line = job.build_model(topology, bf16=bf16)
+        if config.train.compile:
+            model.compile()
+        engine = create_engine(
+            config.train, config.distributed, Path(config.output_dir), topology, model, bf16=bf16
+        )
+    except Exception as error:  # the estimate before the start is a lower bound: the real thing
+        if is_out_of_memory(error):
+            raise out_of_memory_error(error) from None
+        raise
+    return engine, model_line
+
+
+def _evaluator(engine: Engine, eval_batches: Any, device: str) -> Callable[[], float] | None:
+    """The eval loss over eval_batches (every rank calls it together), or None without eval data."""
+    if eval_batches is None:
+        return None
+
+    def evaluate() -> float:
+        return eval_loss(engine, eval_batches, device)
+
+    return evaluate
+
+
+def _write_run_file(
+    config: TrainerConfig, job: Job, topology: Topology, reporter: Reporter, *, bf16: bool, repeats: int
+) -> None:
+    """run.json (rank 0): the config, where every rank runs, the steps and the data. A collective."""
+    hosts = distributed.gather(topology.to_dict())
+    reporter.write_json(
+        RUN_FILE,
+        {
+            "config": config.to_dict(),
+            "topology": {
+                "world_size": topology.world_size,
+                "num_nodes": topology.num_nodes,
+                "engine": config.distributed.engine,
+                "backend": topology.backend,
+                "device": topology.device,
+                "bf16": bf16,
+                "ranks": hosts,
+            },
+            "steps": config.train.steps_record(
+                rows=job.num_samples, repeats=repeats, world_size=topology.world_size
+            ),
+            "data": {
+                **job.facts,
+                "repeats": repeats,
+                "effective_batch": config.train.micro_batch_size
+                * topology.world_size
+                * config.train.gradient_accumulation_steps,
+            },
+        },
+    )
+
+
+def _note_gpu_fault(code: int, health: HealthMonitor) -> None:
+    """The exit record's reason when the health check stopped the run."""
+    if code != exitcodes.GPU_FAULT:  # the breaker's per-step check stopped every rank together
+        return
+    if (fault := health.fault) is not None:
+        exit_record.note(
+            f"GPU fault: GPU {fault.gpu} (uuid {fault.uuid}) of rank {fault.rank} tripped the health "
+            f"check, {fault.metric}={fault.value}"
+        )
+    else:
+        exit_record.note("stopped because another rank's GPU tripped the health check", consequence=True)
+
+
+def _failure(
+    error: Exception, topology: Topology, output_dir: Path, health: HealthMonitor
+) -> tuple[int, bool]:
+    """The exit code for an error of the run, said once (by rank 0 where every rank has it), and whether
+    every rank has it (they may then leave together)."""
+    # A CUDA error in the step, or any error after this rank's GPU faulted: exit 75, not 1.
+    if (code := health.exit_code_for(error, on_gpu=topology.device.startswith("cuda"))) is not None:
+        exit_record.note(f"GPU fault: {_last_line(error)}")
+        return code, False
+    if isinstance(error, ConfigError):  # found at load or build: a checkpoint or a model that does not fit
+        exit_record.note(f"config error: {error}")
+        if topology.is_main or error.key == "model":  # memory runs out on one rank, not on all
+            print(f"trainer: config error: {error}", file=sys.stderr, flush=True)
+        return exitcodes.CONFIG_ERROR, False
+    if isinstance(error, DiskFull):
+        exit_record.note(str(error))
+        if topology.is_main or not error.everywhere:
+            print(f"trainer: {error}", file=sys.stderr, flush=True)
+        return exitcodes.NO_SPACE, error.everywhere
+    if says_no_space(error):  # run.json, metrics.jsonl, ds_config.json, the final model
+        _say(
+            f"rank {topology.rank}: no space left on device in {output_dir} "
+            f"({_failed_file(error)}): {human_size(free_bytes(output_dir))} free; the checkpoints "
+            "written so far are intact; free space there, then run the same command again to resume"
+        )
+        return exitcodes.NO_SPACE, False
+    if is_out_of_memory(error):  # the estimate at start leaves activations out: the step found them
+        _say(
+            f"rank {topology.rank}: config error: model: training ran out of memory "
+            f"({_last_line(error)}); use a smaller train.micro_batch_size (more "
+            f"train.gradient_accumulation_steps keep the effective batch), "
+            f"train.gradient_checkpointing=true (Hugging Face models), or {MEMORY_FIXES}"
+        )
+        return exitcodes.CONFIG_ERROR, False
+    if isinstance(error, RuntimeError) and is_peer_loss(str(error)):
+        # A consequence (another rank died first, or its node vanished), not a cause: one line, no
+        # traceback; the launcher orders the ranks' exit records to name the first cause.
+        first = str(error).strip().splitlines()[0][:300]
+        _say(f"rank {topology.rank} stopped: another rank failed first ({first})", consequence=True)
+        return exitcodes.FAILURE, False
+    exit_record.note(_last_line(error))
+    print(f"trainer: rank {topology.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    record_error(error)
+    return exitcodes.FAILURE, False
 
 
 def _last_line(error: BaseException) -> str:
@@ -606,11 +649,6 @@ def _take_job_lock(lock, say) -> None:
     rank gets its verdict: a refusal is a ConfigError on all of them (a full disk: DiskFull), so the
     job leaves together before anything in output_dir is removed or written. A collective: every
     rank calls it."""
-    from trainer.joblock import LOCK_FILE, Locked
-    from trainer.node import distributed
-    from trainer.node.checkpoint import DiskFull, remove_leftovers, says_no_space
-    from trainer.node.config import ConfigError
-
     problem = None
     if lock is not None:
         try:
@@ -651,11 +689,6 @@ def _check_output_dir_is_shared(output_dir, topology) -> None:
     """Every rank must see what rank 0 writes in output_dir: checkpoints are written by all ranks into
     a directory rank 0 creates, and resume reads `latest` on every node. A node-local path on a
     multi-node run fails here, at once, with the fix, instead of at the first checkpoint."""
-    import uuid
-
-    from trainer.node import distributed
-    from trainer.node.config import ConfigError
-
     token = distributed.gather(uuid.uuid4().hex if topology.is_main else None)[0]
     marker = output_dir / f".shared-check-{token}"
     if topology.is_main:

@@ -1,11 +1,11 @@
-"""Fine-tuning a Hugging Face model, in the order `trainer train` needs it:
+"""Fine-tuning a Hugging Face model (a `trainer.node.job.Job`), in the order `trainer train` needs it:
 
 1. `FineTune.prepare` (every rank, before the process group starts): the model directory, its config
    and tokenizer, the LoRA targets (on a weightless copy of the model), Q-LoRA's needs, the data
    read, tokenized, split and packed. Bad input stops here with a ConfigError naming the key.
 2. `build_model` (after the process group): the weights, LoRA, the loss wrapper the engines train.
-3. `check_packing` (after the engine): does the model keep attention within packed samples?
-4. `batches` / `eval_batches`, then the loop; `write_final` at the end.
+3. `after_engine` (`check_packing`): does the model keep attention within packed samples?
+4. `batches` / `eval_batches`, then the loop; `save_final` (`write_final`) at the end.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.configerror import ConfigError
 from trainer.node.hf import dataset, prepared
+from trainer.node.hf.final import FINAL, save_pretrained, unwrap_state
 from trainer.node.hf.model import check_source, load_model_config, load_tokenizer, pad_token_id
 from trainer.node.hf.packing import Rows, one_per_row
 
@@ -97,6 +98,16 @@ class FineTune:
         total = sum(p.numel() for p in skeleton.parameters())
         return total, 0 if self.config.lora.enabled else total
 
+    def footprint(self, *, on_gpu: bool) -> tuple[int, int, float]:
+        """(parameters, trained ones, bytes per weight: half a byte for Q-LoRA's 4-bit base)."""
+        parameters, trained = self.parameter_counts()
+        return parameters, trained, 0.5 if self.config.lora.qlora else self.weights_dtype(on_gpu).itemsize
+
+    def bf16_weights(self, on_gpu: bool) -> bool:
+        import torch
+
+        return self.weights_dtype(on_gpu) == torch.bfloat16
+
     def weights_dtype(self, on_gpu: bool) -> torch.dtype:
         from trainer.node.hf.model import weights_dtype
 
@@ -142,6 +153,9 @@ class FineTune:
         return CausalLMLoss(
             model
         ), f"{self.source} ({self.model_config.model_type}, {str(dtype).removeprefix('torch.')}), {what}"
+
+    def after_engine(self, engine: Engine) -> str | None:
+        return self.check_packing(engine)
 
     def check_packing(self, engine: Engine) -> str | None:
         """Decide how packed rows are fed, by measuring: the loss on sample B after prefix A1 and after
@@ -212,10 +226,14 @@ class FineTune:
             world_size=topology.world_size,
         )
 
+    def save_final(self, engine: Engine, output_dir: Path, *, is_main: bool, trained: bool) -> Path | None:
+        """write_final, unless a resume that trained no step finds the final model already there."""
+        if not trained and (Path(output_dir) / FINAL).is_dir():
+            return None
+        return self.write_final(engine, output_dir, is_main=is_main)
+
     def write_final(self, engine: Engine, output_dir: Path, *, is_main: bool) -> Path:
         """OUTPUT_DIR/final/ (see trainer.node.hf.final); call on every rank (ZeRO-3 gathers)."""
-        from trainer.node.hf.final import FINAL, save_pretrained, unwrap_state
-
         state = engine.full_state_dict()
         directory = Path(output_dir) / FINAL
         if is_main:
