@@ -266,9 +266,9 @@ def _device_type() -> str:
 def _check_memory(config: TrainerConfig, job: Job, world_size: int) -> None:
     """ConfigError("model") if the model's weights, gradients and optimizer state alone cannot fit in
     this node's memory (trainer.node.memory.check_fits): before the process group or any file."""
-    distributed = config.distributed
-    if distributed.deepspeed_config:
-        zero = load_user_config(distributed.deepspeed_config).get("zero_optimization", {})
+    section = config.distributed
+    if section.deepspeed_config:
+        zero = load_user_config(section.deepspeed_config).get("zero_optimization", {})
         offload = [zero.get(name) for name in ("offload_optimizer", "offload_param")]
         if any(isinstance(o, dict) and o.get("device", "none") != "none" for o in offload):
             return  # where offloaded state lives (CPU, NVMe) is the user's plan: not second-guessed
@@ -279,8 +279,8 @@ def _check_memory(config: TrainerConfig, job: Job, world_size: int) -> None:
         parameters=parameters,
         trained=trained,
         weight_bytes=weight_bytes,
-        engine=distributed.engine,
-        zero_stage=distributed.zero_stage,
+        engine=section.engine,
+        zero_stage=section.zero_stage,
         world_size=world_size,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         device=device,
