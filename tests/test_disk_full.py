@@ -246,3 +246,22 @@ def test_fine_tuning_names_a_full_disk_keeps_its_checkpoint_and_resumes(small_di
     assert resumed.summary["resumed_from"].endswith("step-2")
     assert (out / "final" / "config.json").is_file()
     assert not os.path.exists(out / ".tmp-final")
+
+
+def test_a_limit_above_the_checkpoints_kept_makes_no_room_and_deletes_nothing(small_disk):
+    """Three checkpoints and save_total_limit=6: after the next save all four stay, so none may be
+    deleted to make room (the slice used to wrap around and delete the oldest)."""
+    from trainer.node.checkpoint.layout import STATE_FILE
+    from trainer.node.checkpoint.space import space_problem
+
+    out = small_disk("2M")
+    for step in (2, 4, 6):
+        checkpoint = out / f"step-{step}"
+        checkpoint.mkdir()
+        (checkpoint / STATE_FILE).write_text("{}")
+        (checkpoint / "model.bin").write_bytes(os.urandom(300 << 10))
+    (out / "filler").write_bytes(os.urandom(1 << 20))  # what else fills the disk
+    said = []
+    problem = space_problem(out, step=8, save_total_limit=6, log=said.append)
+    assert problem and "no space left on device for checkpoint step-8" in problem
+    assert said == [] and (out / "step-2").is_dir(), "nothing is deleted that the limit would keep"

@@ -154,7 +154,8 @@ def space_problem(
         return None
     if save_total_limit > 0:
         ours = [p for p in complete_checkpoints(directory) if step_of(p) < step]
-        doomed = [p for p in ours[: len(ours) - (save_total_limit - 1)] if p != previous]
+        # After this save the limit keeps save_total_limit: the oldest beyond that go (none while fewer).
+        doomed = [p for p in ours[: max(0, len(ours) - (save_total_limit - 1))] if p != previous]
         if doomed and free + sum(disk_usage(p) for p in doomed) >= needed:
             if log is None:
                 return None
