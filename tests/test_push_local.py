@@ -20,6 +20,7 @@ import pytest
 import yaml
 from local_sshd import local_sshd
 from loopback import write_inventory
+from push_harness import digests, push
 
 TRAINING_USER = "nobody"
 
@@ -27,24 +28,6 @@ pytestmark = pytest.mark.skipif(
     shutil.which("rsync") is None or shutil.which("sudo") is None,
     reason="needs rsync and sudo (scripts/system-packages.txt, group testbed)",
 )
-
-
-def push(inventory: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", "push", "-i", str(inventory), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def digests(tree: Path) -> dict[str, str]:
-    """relative path -> sha256 of every file under `tree` (the partial dir left out)."""
-    return {
-        str(path.relative_to(tree)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(tree.rglob("*"))
-        if path.is_file() and ".push-partial" not in path.parts
-    }
 
 
 @pytest.fixture

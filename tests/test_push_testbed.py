@@ -17,30 +17,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+from push_harness import digests, push
 from testbed_nodes import BED_TEST, ENV, HEAD, INVENTORY, _inventory, podman
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = "ct-worker1"
 
 pytestmark = BED_TEST
-
-
-def push(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", "push", "-i", str(INVENTORY), *args],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=timeout,
-    )
-
-
-def digests(tree: Path) -> dict[str, str]:
-    return {
-        str(path.relative_to(tree)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(tree.rglob("*"))
-        if path.is_file() and ".push-partial" not in path.parts
-    }
 
 
 def over_nfs(tool: str, path: str, settings: dict, timeout: float = 90) -> str:
@@ -89,7 +72,7 @@ def test_a_pushed_model_is_the_training_accounts_and_a_worker_reads_it_over_nfs(
     assert built.returncode == 0, built.stderr
 
     started = time.monotonic()
-    first = push(str(model), name)
+    first = push(INVENTORY, str(model), name, env=ENV, timeout=300)
     first_s = time.monotonic() - started
     assert first.returncode == 0, first.stdout + first.stderr
     pushed = f"{settings['cluster_shared_dir']}/models/{name}"
@@ -107,7 +90,7 @@ def test_a_pushed_model_is_the_training_accounts_and_a_worker_reads_it_over_nfs(
     assert over_nfs("nfs-cat", f"{pushed}/config.json", settings) == (model / "config.json").read_text()
 
     started = time.monotonic()
-    second = push(str(model), name)
+    second = push(INVENTORY, str(model), name, env=ENV, timeout=300)
     second_s = time.monotonic() - started
     assert second.returncode == 0, second.stdout + second.stderr
     assert "nothing to copy: every file is already there" in second.stdout
@@ -150,7 +133,7 @@ def test_an_interrupted_push_to_the_head_resumes(bed, tmp_path):
     kept = (datasets / ".push-partial" / name).stat().st_size
 
     started = time.monotonic()
-    again = push(str(data), name)
+    again = push(INVENTORY, str(data), name, env=ENV, timeout=300)
     resume_s = time.monotonic() - started
     assert again.returncode == 0, again.stdout + again.stderr
     assert "already there (resumed" in again.stdout, again.stdout
