@@ -96,8 +96,9 @@ test-vm: install-dev
 test: lint test-fast molecule
 	@if [ "$${RUN_VM_TESTS:-0}" = 1 ]; then $(MAKE) test-vm; fi
 
+# The GPU benchmarks (bench/gpu_*) need a GPU machine and run there (bench/README.md).
 bench: install-dev
-	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	for b in $(filter-out bench/gpu_%,$(wildcard bench/*.py)); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 # The docs site, strict: a broken link or anchor, or a page left out of the nav, fails (mkdocs.yml).
 docs: install-dev
