@@ -146,7 +146,13 @@ def add_access_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="read that sudo password from FILE (mode 0600; an executable FILE is run and prints it)",
     )
-    group.add_argument(
+    add_vault_argument(group)
+
+
+def add_vault_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--vault-password-file: the one password option of a verb that never asks for sudo's (trainer
+    push), and one of trainer launch, preflight and plan's."""
+    parser.add_argument(
         "--vault-password-file",
         dest="vault_password_files",
         type=Path,

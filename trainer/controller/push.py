@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from trainer import exitcodes
-from trainer.controller.access import configure_access
+from trainer.controller.access import add_vault_argument, configure_access
 from trainer.controller.inventory import InventoryError, load_cluster
 from trainer.controller.rsync_to_host import (
     PARTIAL_DIR,
@@ -101,15 +101,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="at most KB kilobytes (1024 bytes) per second, to leave the network to a running job "
         "(default: no limit)",
     )
-    parser.add_argument(
-        "--vault-password-file",
-        dest="vault_password_files",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="password of vaulted inventory variables (ansible-vault); repeatable",
-    )
+    add_vault_argument(parser)
     parser.epilog = (
         "The copy runs on the head as the training account (cluster_training_user) with rsync over the "
         "inventory's ssh connection: the login account (ansible_user) needs passwordless sudo to it, or "
