@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,25 @@ def content_hash(*parts: bytes | str) -> str:
     return digest.hexdigest()
 
 
+#: file_hash's results in this process, by what the file is and when it last changed: the prepared
+#: data's cache key and the checkpoint's data identity both hash every data file at start, and a
+#: dataset of gigabytes was read twice per rank.
+_FILE_HASHES: dict[tuple[int, int, int, int], str] = {}
+
+
 def file_hash(path: Path) -> str:
-    """SHA-256 of a file's bytes, read in pieces (a dataset may be larger than memory allows twice)."""
-    digest = hashlib.sha256()
+    """SHA-256 of a file's bytes, read in pieces (a dataset may be larger than memory allows twice).
+    Read once per process while the file stays as it was (same inode, size and modification time)."""
     with open(path, "rb") as handle:
+        stat = os.fstat(handle.fileno())
+        seen = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if seen in _FILE_HASHES:
+            return _FILE_HASHES[seen]
+        digest = hashlib.sha256()
         while chunk := handle.read(1 << 22):
             digest.update(chunk)
-    return digest.hexdigest()
+    _FILE_HASHES[seen] = found = digest.hexdigest()
+    return found
 
 
 def resume_fingerprint(config: Any, identity: dict[str, Any] | None = None) -> dict[str, Any]:
