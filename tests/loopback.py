@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +57,44 @@ def write_inventory(root: Path, nodes: int = 2, **settings: Any) -> tuple[Path, 
     }
     (inventory / "group_vars" / "cluster" / "all.yml").write_text(yaml.safe_dump(defaults | settings))
     return inventory, shared
+
+
+def two_node_inventory(tmp_path: Path, group_vars: dict) -> Path:
+    """A head and a worker on this machine, and `group_vars` in the inventory's group_vars/cluster.yml."""
+    inventory = tmp_path / "inventory"
+    (inventory / "group_vars").mkdir(parents=True)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    hosts = {
+        "cluster": {
+            "children": {
+                "head": {"hosts": {"node-a": {"cluster_ip": "127.0.0.1"}}},
+                "workers": {"hosts": {"node-b": {"cluster_ip": "127.0.0.2"}}},
+            },
+            "vars": {
+                "ansible_connection": "local",
+                "ansible_python_interpreter": sys.executable,
+                "cluster_name": "override",
+                "cluster_accelerators": 0,
+                "cluster_accelerator_model": "cpu",
+                "cluster_subnet": "127.0.0.0/8",
+                "cluster_training_user": "trainer",
+                "cluster_training_group": "trainer",
+                "cluster_training_uid": 2000,
+                "cluster_training_gid": 2000,
+                "cluster_shared_dir": str(shared),
+                "cluster_master_port": 29777,
+                "cluster_comm_port_range": "40000:40020",
+                "cluster_ntp_servers": [],
+                "cluster_nccl_socket_ifname": "lo",
+                "nfs_server_backend": "kernel",
+                "training_engine": "ddp",
+                "training_procs_per_node": 1,
+                "training_venv": str(Path(sys.executable).parents[1]),
+                "training_wheelhouse": "",
+            },
+        }
+    }
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    (inventory / "group_vars" / "cluster.yml").write_text(yaml.safe_dump(group_vars))
+    return inventory

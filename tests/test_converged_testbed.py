@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_launch_testbed import BED_UP, ENV
+from bed_launch import BED_UP, ENV
 from testbed_nodes import site
 
 REPO = Path(__file__).resolve().parents[1]

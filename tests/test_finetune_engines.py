@@ -20,8 +20,7 @@ import pytest
 import torch
 from finetune_harness import chat_data, finetune_sets, generate, hf_cache, tiny_model  # noqa: F401
 from safetensors.torch import load_file
-from test_trainer_engines import PAUSE_IN_STEP_20_WRITE, wait_for
-from trainer_harness import assert_trained, finish, kill_job, start_run
+from trainer_harness import PAUSE_IN_STEP_20_WRITE, assert_trained, finish, kill_job, start_run, wait_for
 
 from trainer import exitcodes
 

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 from finetune_harness import build, generate
-from test_launch_local import launch_command, loopback_cluster  # noqa: F401
+from loopback_launch import launch_command, loopback_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from bed_launch import BED_UP, INVENTORY, group_vars, launch, run_launch
 from finetune_harness import generate
-from test_launch_testbed import BED_UP, INVENTORY, group_vars, launch, run_launch
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = ("ct-head", "ct-worker1")

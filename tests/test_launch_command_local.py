@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_launch_local import VENV, free_port
+from loopback import VENV, free_port
+from loopback_launch import environ, launch_processes
 
 REPO = Path(__file__).resolve().parents[1]
 OWN_COMMAND = Path(__file__).resolve().parent / "own_command"
@@ -91,26 +92,6 @@ def launch(inventory: Path, run_name: str, *args: str) -> list[str]:
 def run(command: list[str], timeout: float = 600, env: dict | None = None) -> tuple[int, str]:
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     return done.returncode, done.stdout + done.stderr
-
-
-def launch_processes(node_dir: Path) -> list[int]:
-    """The live processes of the node's launch (found by the launch's tag, as a stop finds them).
-    Both loopback "hosts" are this machine and share the tag: NODE_RANK tells them apart."""
-    listed = subprocess.run(
-        [str(VENV / "bin" / "python"), str(node_dir / "node_ctl.py"), str(node_dir), "pids"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    node_rank = f"NODE_RANK={node_dir.name.removeprefix('node-')}".encode()
-    return [p["pid"] for p in json.loads(listed.stdout)["processes"] if node_rank in environ(p["pid"])]
-
-
-def environ(pid: int) -> list[bytes]:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return []
 
 
 def test_a_qwen_shaped_script_trains_across_both_nodes_unchanged(cluster):

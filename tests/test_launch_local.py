@@ -7,31 +7,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import loopback
 import pytest
 import yaml
-from loopback import VENV, free_port  # noqa: F401 - other test modules import them from here
+from loopback_launch import TINY, launch_command, trainer_pids
+from loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def loopback_cluster(tmp_path) -> tuple[Path, Path]:
-    """(inventory, shared dir) for two local hosts, node0 (head) and node1 (worker)."""
-    return loopback.write_inventory(tmp_path)
-
-
-def launch_command(inventory: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "trainer", "launch", "-i", str(inventory), "--poll-interval", "1", *extra]
-
-
-TINY = ["--set", "train.warmup_steps=1", "--set", "train.log_every=2", "--set", "checkpoint.save_steps=3"]
 
 
 def test_two_node_loopback_launch_trains_and_writes_outputs(loopback_cluster):
@@ -62,35 +48,6 @@ def test_two_node_loopback_launch_trains_and_writes_outputs(loopback_cluster):
     assert "export NODE_RANK=1" in node1 and "export NCCL_SOCKET_IFNAME==lo" in node1
 
 
-def _trainer_pids(node_dir: Path) -> list[int]:
-    """The node's `trainer train` worker processes (found by the launch's tag, as a stop finds them)."""
-    listed = subprocess.run(
-        [str(VENV / "bin" / "python"), str(node_dir / "node_ctl.py"), str(node_dir), "pids"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    processes = json.loads(listed.stdout)["processes"]
-    # Both loopback "hosts" are this machine and share the launch's tag, so keep only this node's
-    # processes (run.sh exports NODE_RANK): killing the other node's trainer too makes the first
-    # failure a race.
-    node_rank = f"NODE_RANK={node_dir.name.removeprefix('node-')}".encode()
-    return [
-        p["pid"]
-        for p in processes
-        if len(p["command"]) > 1
-        and p["command"][1].endswith("bin/trainer")
-        and node_rank in _environ(p["pid"])
-    ]
-
-
-def _environ(pid: int) -> list[bytes]:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return []
-
-
 def test_a_killed_rank_stops_the_other_host_and_is_named_then_relaunch_resumes(loopback_cluster):
     inventory, shared = loopback_cluster
     run = shared / "runs" / "kill"
@@ -106,7 +63,7 @@ def test_a_killed_rank_stops_the_other_host_and_is_named_then_relaunch_resumes(l
             assert launcher.poll() is None, launcher.stdout.read()
             assert time.monotonic() < deadline, "no checkpoint within 300 s"
             time.sleep(0.5)
-        victims = _trainer_pids(run / "launch" / "node-1")
+        victims = trainer_pids(run / "launch" / "node-1")
         assert victims, "node1's trainer process is running"
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
@@ -125,8 +82,8 @@ def test_a_killed_rank_stops_the_other_host_and_is_named_then_relaunch_resumes(l
         in out
     )
     assert stopped_after < 60, f"the launcher took {stopped_after:.0f} s to stop everything"
-    assert _trainer_pids(run / "launch" / "node-0") == [], "node0's trainer was stopped"
-    assert _trainer_pids(run / "launch" / "node-1") == []
+    assert trainer_pids(run / "launch" / "node-0") == [], "node0's trainer was stopped"
+    assert trainer_pids(run / "launch" / "node-1") == []
     latest = (run / "checkpoints" / "latest").read_text().strip()
     finish_at = int(latest.removeprefix("step-")) + 2
 
@@ -177,7 +134,7 @@ def test_a_gpu_fault_names_the_host_and_gpu_and_exits_75(loopback_cluster, tmp_p
     out = done.stdout + done.stderr
     assert done.returncode == 75, out
     assert "GPU_FAULT on node1 (node 1" in out and "GPU 0" in out and "ecc_uncorrectable=3" in out, out
-    assert _trainer_pids(shared / "runs" / "fault" / "launch" / "node-0") == []
+    assert trainer_pids(shared / "runs" / "fault" / "launch" / "node-0") == []
 
 
 def test_a_node_without_the_trainer_stops_the_launch_before_any_node_starts(loopback_cluster):
@@ -238,4 +195,4 @@ def test_ctrl_c_or_term_stops_every_host(loopback_cluster, sig):
     assert launcher.returncode == 130, out
     assert "interrupted: the trainer is stopped on all hosts" in out, out
     for rank in (0, 1):
-        assert _trainer_pids(shared / "runs" / "ctrlc" / "launch" / f"node-{rank}") == []
+        assert trainer_pids(shared / "runs" / "ctrlc" / "launch" / f"node-{rank}") == []

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_launch_command_local import launch_processes
-from test_launch_local import launch_command
-from test_launch_local import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
+from loopback_launch import launch_command, launch_processes
+from loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 pytestmark = pytest.mark.slow
 

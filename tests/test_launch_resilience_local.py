@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_launch_command_local import launch_processes
-from test_launch_local import TINY, VENV, _trainer_pids, launch_command
-from test_launch_local import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
+from loopback import VENV
+from loopback_launch import TINY, launch_command, launch_processes, trainer_pids
+from loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 from trainer import exitcodes
 
@@ -150,14 +150,14 @@ def test_a_node_silent_past_the_grace_stops_every_node_and_is_named(loopback, tm
         assert "node1 was lost; relaunch with --max-restarts K --exclude-failed to go on without it" in out, (
             out
         )
-        assert _trainer_pids(run / "launch" / "node-0") == [], "node0's trainer was stopped"
+        assert trainer_pids(run / "launch" / "node-0") == [], "node0's trainer was stopped"
         stopped = [r for r in history(run) if r["event"] == "stopped"]
         assert stopped[-1]["why"] == "lost" and stopped[-1]["hosts"] == ["node1"], stopped[-1]
         assert stopped[-1]["cause"]["code"] == exitcodes.NODE_LOST
     finally:
         flag.unlink(missing_ok=True)
         subprocess.run(launch_command(inventory, "--run-name", "lost", "--stop"), env=env, timeout=300)
-    assert _trainer_pids(run / "launch" / "node-1") == []
+    assert trainer_pids(run / "launch" / "node-1") == []
 
 
 def test_a_rank_stuck_before_a_collective_stops_every_node_naming_the_rank_and_its_stack(loopback, tmp_path):
@@ -187,7 +187,7 @@ def test_a_rank_stuck_before_a_collective_stops_every_node_naming_the_rank_and_i
     assert "stack of rank 1 on node1:" in out and " in started" in out, "the stuck rank's own stack"
     run = shared / "runs" / "stall"
     for rank in (0, 1):
-        assert _trainer_pids(run / "launch" / f"node-{rank}") == []
+        assert trainer_pids(run / "launch" / f"node-{rank}") == []
     stopped = history(run)[-1]
     assert stopped["why"] == "stall" and stopped["hosts"] == ["node1"]
     kept = json.loads(next((run / "launch" / "node-1").glob("stacks-*.json")).read_text())
@@ -210,7 +210,7 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_ends_like_an_unin
     )
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
-        victims = wait_for(lambda: _trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=launcher)
+        victims = wait_for(lambda: trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=launcher)
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         out, _ = launcher.communicate(timeout=600)
@@ -308,7 +308,7 @@ def test_a_lost_node_is_left_out_at_once_and_the_survivor_finishes_like_a_run_st
     )
     try:
         wait_for(lambda: (run / "checkpoints" / "step-6").exists(), "checkpoint step-6", proc=launcher)
-        victims = wait_for(lambda: _trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=launcher)
+        victims = wait_for(lambda: trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=launcher)
         flag.touch()  # node1 answers no more...
         for pid in victims:  # ...and its trainer is gone
             os.kill(pid, signal.SIGKILL)
@@ -367,7 +367,7 @@ def test_a_lost_head_is_said_plainly_with_what_to_run_once_it_is_back(loopback, 
     )  # fmt: skip
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
-        victims = wait_for(lambda: _trainer_pids(run / "launch" / "node-0"), "node0 trainer", proc=launcher)
+        victims = wait_for(lambda: trainer_pids(run / "launch" / "node-0"), "node0 trainer", proc=launcher)
         flag.touch()
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
@@ -385,7 +385,7 @@ def test_a_lost_head_is_said_plainly_with_what_to_run_once_it_is_back(loopback, 
         "headloss` with this launch's options: it resumes from the latest complete checkpoint" in out
     ), out
     assert "restart 1 of 2" not in out, out
-    assert _trainer_pids(run / "launch" / "node-1") == [], "node1's trainer was stopped"
+    assert trainer_pids(run / "launch" / "node-1") == [], "node1's trainer was stopped"
 
 
 def test_sighup_stops_every_node(loopback, tmp_path):
@@ -406,7 +406,7 @@ def test_sighup_stops_every_node(loopback, tmp_path):
             launcher.kill()
     assert launcher.returncode == 130
     for rank in (0, 1):
-        assert _trainer_pids(run / "launch" / f"node-{rank}") == []
+        assert trainer_pids(run / "launch" / f"node-{rank}") == []
     assert history(run)[-1]["why"] == "interrupted"
     assert not list((tmp_path / "tmpdir").glob("clustertrain-runner-*")), "the private dirs were removed"
 
@@ -483,7 +483,7 @@ def test_attach_restarts_a_failed_run_within_the_launchs_max_restarts(loopback, 
             "adoption",
             proc=attach,
         )
-        victims = wait_for(lambda: _trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=attach)
+        victims = wait_for(lambda: trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=attach)
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         out, _ = attach.communicate(timeout=600)

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_launch_testbed import BED_UP, ENV, HOSTS, launch, run_launch, worker_trainer_pids
-from test_launch_testbed import testbed as _testbed  # noqa: F401 - the fixture, by its name
+from bed_launch import BED_UP, ENV, HOSTS, launch, run_launch, worker_trainer_pids
+from bed_launch import testbed as _testbed  # noqa: F401 - the fixture, by its name
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
 

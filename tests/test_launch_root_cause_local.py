@@ -13,8 +13,8 @@ import subprocess
 import time
 
 import pytest
-from test_launch_local import TINY, launch_command
-from test_launch_local import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
+from loopback_launch import TINY, launch_command
+from loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 from trainer import exitcodes
 from trainer.controller.launcher.failure import diagnose

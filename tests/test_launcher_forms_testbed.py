@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_launch_testbed import BED_UP, HOSTS, INVENTORY, group_vars, run_launch
+from bed_launch import BED_UP, HOSTS, INVENTORY, group_vars, run_launch
 from testbed_nodes import own_like
 
 FORMS = Path(__file__).resolve().parent / "world_forms"

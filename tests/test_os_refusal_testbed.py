@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_launch_testbed import BED_UP, ENV, INVENTORY
+from bed_launch import BED_UP, ENV, INVENTORY
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE = "ct-rocky"

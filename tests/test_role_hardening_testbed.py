@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_launch_testbed import BED_UP, ENV, INVENTORY, group_vars
+from bed_launch import BED_UP, ENV, INVENTORY, group_vars
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "ct-worker1"

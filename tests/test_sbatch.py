@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from loopback import VENV
 from slurm_cluster import SlurmCluster
-from test_launch_local import VENV
 
 OWN_COMMAND = Path(__file__).resolve().parent / "own_command"
 TINY = ("train.log_every=1", "train.warmup_steps=1", "checkpoint.save_steps=2")

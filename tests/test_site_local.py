@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from loopback import two_node_inventory
 
 REPO = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
@@ -115,8 +116,6 @@ def test_check_diff_passes_and_changes_nothing_on_this_machine():
 def test_check_diff_passes_on_new_nodes_and_says_what_it_cannot_compare(tmp_path):
     """Two "nodes" of this machine (127.0.0.1-2) that have neither chrony, ufw nor the trainer venv:
     --check cannot install them, so what needs them is skipped, and the output says so."""
-    from test_firewall_rules_override import two_node_inventory
-
     inventory = two_node_inventory(tmp_path, {})
     venv = tmp_path / "venv"
     before = files_state()

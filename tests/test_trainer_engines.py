@@ -14,7 +14,15 @@ import json
 import time
 
 import pytest
-from trainer_harness import QUICK, assert_trained, finish, kill_job, start_run, wait_for
+from trainer_harness import (
+    PAUSE_IN_STEP_20_WRITE,
+    QUICK,
+    assert_trained,
+    finish,
+    kill_job,
+    start_run,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +37,6 @@ ENGINES = [
     # accelerate's own launcher (`--multi_gpu` on the CPU: `--cpu` would start a single process).
     pytest.param("accelerate", ["distributed.engine=accelerate"], id="accelerate"),
 ]
-#: Documented test hook (trainer/node/checkpoint/writer.py): rank 0 pauses inside the temporary write of
-#: step 20.
-PAUSE_IN_STEP_20_WRITE = {
-    "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S": "300",
-    "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_STEP": "20",
-}
 
 
 def assert_engine_files(run, engine: list[str]) -> None:

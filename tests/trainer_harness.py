@@ -40,6 +40,14 @@ RESIZE_GPT = [
     "checkpoint.save_steps=4",
     "model.dropout=0",
 ]
+
+#: Documented test hook (trainer/node/checkpoint/writer.py): rank 0 pauses inside the temporary write of
+#: step 20 (test_trainer_engines, test_finetune_engines).
+PAUSE_IN_STEP_20_WRITE = {
+    "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S": "300",
+    "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_STEP": "20",
+}
+
 #: DeepSpeed's first start on a machine compiles a small op (about a minute) before it trains.
 TIMEOUT_S = 420
 
