@@ -36,6 +36,7 @@ from trainer.controller.inventory import InventoryError, load_cluster
 from trainer.controller.launcher.launch import (
     Launcher,
     add_watch_arguments,
+    follow_problem,
     install_signal_handlers,
     watch_options,
 )
@@ -84,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
             "inventory it was launched with",
             file=sys.stderr,
         )
+        return exitcodes.CONFIG_ERROR
+    if problem := follow_problem(len(nodes)):
+        print(f"trainer attach: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     launcher = Launcher(
         plan, watch_options(args, plan.runs_bundled_trainer, saved=info), command="trainer attach"

@@ -44,6 +44,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from trainer import exitcodes
+from trainer.controller import forks
 from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
 from trainer.controller.launcher.launchfiles import launch_files
 from trainer.controller.launcher.live import JobMonitor, LiveView
@@ -80,16 +81,29 @@ STOP_TASK = "Stop the trainer's process group"
 STATUS_TASK = "Read the node's state"
 INTERRUPTED = exitcodes.INTERRUPTED
 #: ansible-playbook's settings for every run of a launch. ansible.cfg of the current directory is not
-#: read for these playbooks, so what matters here is set outright. Forks bound concurrency only (Ansible
-#: starts a worker per host of a task, up to this many): the watch polls every node at once on any
-#: cluster this is for, and the setting is known before the inventory is read (the prestarted start).
+#: read for these playbooks, so what matters here is set outright. Forks (launch_env) bound concurrency
+#: only (Ansible starts a worker per host of a task, up to this many): the watch needs a worker per node
+#: for the whole run, so they are as many as this machine holds (trainer.controller.forks), a job with
+#: more nodes is refused (follow_problem), and the setting is known before the inventory is read (the
+#: prestarted start).
 LAUNCH_ENV = {
-    "ANSIBLE_FORKS": "256",
     "ANSIBLE_PIPELINING": "True",
     "ANSIBLE_NOCOLOR": "True",
     "ANSIBLE_GATHERING": "explicit",
     "ANSIBLE_RETRY_FILES_ENABLED": "False",
 }
+
+
+def launch_env() -> dict[str, str]:
+    """LAUNCH_ENV with the forks: every node this machine can follow at once (the same all run long)."""
+    return {**LAUNCH_ENV, "ANSIBLE_FORKS": str(forks.fork_limit())}
+
+
+def follow_problem(nodes: int) -> str | None:
+    """Why this controller cannot follow `nodes` nodes at once (and so refuses the launch), or None."""
+    return forks.limits().follow_problem(nodes)
+
+
 #: start.yml's tasks that a launch has no use for tag themselves so (start.yml's header).
 START_SKIP_TAG = "launch_skip"
 #: The extra variables of the launcher's playbooks (Launcher.extravars): start.yml is started before
@@ -198,7 +212,7 @@ class Launcher:
         #: attach`, which has not the launch's config, --set and --env): nothing is written but the
         #: new launch id, the launch record and this helper.
         self.reuse_node_files = False
-        self.env = dict(LAUNCH_ENV)
+        self.env = launch_env()
         #: start.yml, started while the plan was made (`run`), for the first attempt to use.
         self.prestarted = prestarted
         self.become: dict[str, bool] = {}
@@ -886,7 +900,7 @@ def prestart(args: argparse.Namespace) -> PrestartedRun | None:
             PLAYBOOKS / "start.yml",
             args.inventory,
             LAUNCH_VARS,
-            env=LAUNCH_ENV,
+            env=launch_env(),
             skip_tags=START_SKIP_TAG,
             channel=True,
         )

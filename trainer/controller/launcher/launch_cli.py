@@ -18,6 +18,7 @@ from trainer.controller.launcher.launch import (
     Launcher,
     add_restart_arguments,
     add_watch_arguments,
+    follow_problem,
     install_signal_handlers,
     option_problem,
     prestart,
@@ -99,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
         if args.stop:
             options = watch_options(args, plan.runs_bundled_trainer)
             return stop_run(cluster, args.run_name, options, "trainer launch --stop")
+        if problem := follow_problem(plan.topology.nnodes):
+            print(f"trainer launch: {problem}", file=sys.stderr)
+            return exitcodes.CONFIG_ERROR
         launcher = Launcher(plan, watch_options(args, plan.runs_bundled_trainer), prestarted=early)
         view = LiveView()
         install_signal_handlers(view)

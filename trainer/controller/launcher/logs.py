@@ -22,6 +22,8 @@ from typing import Any
 
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments
+from trainer.controller.forks import forks_for
+from trainer.controller.forks import limits as forks_limits
 from trainer.controller.inventory import InventoryError
 from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError
@@ -181,6 +183,9 @@ def print_last_lines(
 
 def follow(plan: JobPlan, nodes: dict[str, int], tail: int, printer: LinePrinter) -> int:
     """Each node's last `tail` lines, then its new lines as they come, until its run has ended."""
+    if problem := forks_limits().follow_problem(len(nodes)):
+        note(problem)
+        return exitcodes.CONFIG_ERROR
     last: dict[str, dict[str, Any]] = {}
     missing: set[str] = set()
 
@@ -213,7 +218,7 @@ def follow(plan: JobPlan, nodes: dict[str, int], tail: int, printer: LinePrinter
         "launch_tail": tail,
     }
     env = {
-        "ANSIBLE_FORKS": str(max(5, len(nodes))),
+        "ANSIBLE_FORKS": str(forks_for(len(nodes))),
         "ANSIBLE_NOCOLOR": "True",
         "ANSIBLE_GATHERING": "explicit",
     }

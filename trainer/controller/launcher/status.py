@@ -19,6 +19,7 @@ from typing import Any
 
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
+from trainer.controller.forks import forks_for
 from trainer.controller.inventory import InventoryError
 from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError, make_plan
@@ -46,7 +47,7 @@ def read_nodes(plan: JobPlan, nodes: dict[str, int], tail: int) -> PlaybookResul
         "launch_tail": tail,
     }
     env = {
-        "ANSIBLE_FORKS": str(max(5, len(nodes))),
+        "ANSIBLE_FORKS": str(forks_for(len(nodes))),
         "ANSIBLE_NOCOLOR": "True",
         "ANSIBLE_GATHERING": "explicit",
     }
