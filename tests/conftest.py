@@ -1,4 +1,5 @@
-"""Trainer fixtures; the helpers live in trainer_harness.py. Other areas keep their own fixtures."""
+"""Fixtures for every tier: the trainer run (its helpers live in helpers/trainer_harness.py). The tiers' own
+conftest.py files add their markers (local/: slow, testbed/: testbed); other areas keep their own fixtures."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 # process has both, so dynamo is imported first, while sys.intern is still the builtin.
 with contextlib.suppress(ImportError):
     import torch._dynamo  # noqa: F401
-from trainer_harness import Run, finish, start_run
+from helpers.trainer_harness import Run, finish, start_run
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import loopback
+from helpers import loopback
 
 #: What node_ctl.py finds a launch's processes by (TAG_VARIABLE there).
 TAG_VARIABLE = "CLUSTERTRAIN_LAUNCH_ID"

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import loopback
 import pytest
-from loopback import VENV
+from helpers import loopback
+from helpers.loopback import VENV
 
 
 @pytest.fixture

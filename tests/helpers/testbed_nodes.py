@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "molecule" / "default" / "inventory"
 #: The controller's key and the bed's pinned host keys (molecule/default/access.sh, prepare.yml).
 ACCESS = Path("/var/tmp/clustertrain-testbed/access")
@@ -46,9 +46,8 @@ STATUS = Path("/tmp/clustertrain-testbed.status")
 PLAYBOOK = str(Path(sys.executable).parent / "ansible-playbook")
 #: A host's line of ansible-playbook's recap.
 RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
-#: The marks of a test-bed test module: `pytestmark = BED_TEST`.
+#: The marks of a test-bed test module: `pytestmark = BED_TEST` (tests/testbed/conftest.py adds `testbed`).
 BED_TEST = [
-    pytest.mark.testbed,
     pytest.mark.slow,
     pytest.mark.skipif(
         not (STATUS.exists() and STATUS.read_text().startswith("up")),

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from finetune_harness import hf_cache, records_file, s3_server, tiny_model  # noqa: F401
-from trainer_harness import finish, start_run
+from helpers.finetune_harness import hf_cache, records_file, s3_server, tiny_model  # noqa: F401
+from helpers.trainer_harness import finish, start_run
 
 from trainer.configerror import ConfigError
 from trainer.node.config import load_config
 from trainer.node.hf.sources import data_fingerprint
 from trainer.node.hf.training_data import build_training_data
+
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
 
 BUCKET = "training-data"
 CHATS = [

@@ -15,14 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from finetune_harness import chat_data, finetune_sets, hf_cache, tiny_model  # noqa: F401
-from trainer_harness import finish, kill_job, start_run, wait_for
+from helpers.finetune_harness import chat_data, finetune_sets, hf_cache, tiny_model  # noqa: F401
+from helpers.trainer_harness import finish, kill_job, start_run, wait_for
 
 from trainer import exitcodes
 from trainer.joblock import LOCK_FILE
 from trainer.node.checkpoint import disk_usage, free_bytes
-
-pytestmark = pytest.mark.slow  # real training runs
 
 STEPS = ["train.log_every=1", "model.n_layer=1", "checkpoint.save_steps=2"]
 

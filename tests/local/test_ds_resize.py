@@ -28,12 +28,16 @@ import shutil
 
 import pytest
 import torch
-from finetune_harness import chat_data, hf_cache, tiny_model  # noqa: F401
-from trainer_harness import RESIZE_GPT, finish, kill_job, start_run, stopped_after, wait_for
+from helpers.finetune_harness import chat_data, hf_cache, tiny_model  # noqa: F401
+from helpers.trainer_harness import RESIZE_GPT, finish, kill_job, start_run, stopped_after, wait_for
 
 from trainer.configerror import ConfigError
 from trainer.node.checkpoint import STATE_FILE, check_resumable, resume_fingerprint
 from trainer.node.config import load_config
+
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
 
 slow = pytest.mark.slow  # real multi-process DeepSpeed runs: every test here but the first
 

@@ -18,13 +18,18 @@ import sys
 
 import pytest
 import torch
-from finetune_harness import chat_data, finetune_sets, generate, hf_cache, tiny_model  # noqa: F401
+from helpers.finetune_harness import chat_data, finetune_sets, generate, hf_cache, tiny_model  # noqa: F401
+from helpers.trainer_harness import (
+    PAUSE_IN_STEP_20_WRITE,
+    assert_trained,
+    finish,
+    kill_job,
+    start_run,
+    wait_for,
+)
 from safetensors.torch import load_file
-from trainer_harness import PAUSE_IN_STEP_20_WRITE, assert_trained, finish, kill_job, start_run, wait_for
 
 from trainer import exitcodes
-
-pytestmark = pytest.mark.slow
 
 FULL = {
     "ddp": ("torchrun", ["distributed.engine=ddp"]),

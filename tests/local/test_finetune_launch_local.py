@@ -8,11 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-from finetune_harness import build, generate
-from loopback_launch import launch_command, loopback_cluster  # noqa: F401
-
-pytestmark = pytest.mark.slow
+from helpers.finetune_harness import build, generate
+from helpers.loopback_launch import launch_command, loopback_cluster  # noqa: F401
 
 
 def test_lora_with_deepspeed_through_launch_on_two_loopback_nodes(loopback_cluster):  # noqa: F811

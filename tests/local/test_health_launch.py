@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

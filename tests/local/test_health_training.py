@@ -13,7 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from health_webhook_server import WebhookServer, closed_port_url
+from helpers.health_webhook_server import WebhookServer, closed_port_url
+
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
 
 BIN = Path(sys.executable).parent
 TINY = [

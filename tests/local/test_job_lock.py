@@ -18,7 +18,7 @@ import time
 import uuid
 
 import pytest
-from trainer_harness import (
+from helpers.trainer_harness import (
     TIMEOUT_S,
     TRAINER,
     finish,
@@ -32,6 +32,10 @@ from trainer_harness import (
 
 from trainer import exitcodes
 from trainer.joblock import LOCK_FILE, STALE_AFTER_S
+
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
 
 TINY = ["train.log_every=1", "checkpoint.save_steps=2", "train.max_steps=4"]
 #: Rank 0 pauses inside the step-2 checkpoint write (the documented hook, trainer/node/checkpoint/writer.py).

@@ -20,16 +20,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from loopback import VENV, free_port
-from loopback_launch import environ, launch_processes
+from helpers.loopback import VENV, free_port
+from helpers.loopback_launch import environ, launch_processes
 
-REPO = Path(__file__).resolve().parents[1]
-OWN_COMMAND = Path(__file__).resolve().parent / "own_command"
+REPO = Path(__file__).resolve().parents[2]
+OWN_COMMAND = Path(__file__).resolve().parents[1] / "data" / "own_command"
 QWEN_SCRIPT = ["bash", "finetune/finetune_lora_ds.sh", "-m", "tiny-model", "-d", "data.json"]
 INVENTORY_SECRET = "inv-secret-7f3a"
 CLI_SECRET = "cli-secret-91bd"
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from loopback_launch import TINY, launch_command, trainer_pids
-from loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
+from helpers.loopback_launch import TINY, launch_command, trainer_pids
+from helpers.loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
-REPO = Path(__file__).resolve().parents[1]
-
-pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_node_loopback_launch_trains_and_writes_outputs(loopback_cluster):

@@ -15,11 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-from loopback_launch import launch_command, launch_processes
-from loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
-
-pytestmark = pytest.mark.slow
+from helpers.loopback_launch import launch_command, launch_processes
+from helpers.loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 
 def launch(inventory: Path, run_name: str, flag: Path, *options: str) -> list[str]:

@@ -22,13 +22,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from loopback import VENV
-from loopback_launch import TINY, launch_command, launch_processes, trainer_pids
-from loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
+from helpers.loopback import VENV
+from helpers.loopback_launch import TINY, launch_command, launch_processes, trainer_pids
+from helpers.loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 from trainer import exitcodes
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture

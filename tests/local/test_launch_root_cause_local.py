@@ -13,12 +13,16 @@ import subprocess
 import time
 
 import pytest
-from loopback_launch import TINY, launch_command
-from loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
+from helpers.loopback_launch import TINY, launch_command
+from helpers.loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 from trainer import exitcodes
 from trainer.controller.launcher.failure import diagnose
 from trainer.controller.launcher.live import SILENT_LOSS_S, JobMonitor, LiveView
+
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
 
 
 @pytest.mark.slow

@@ -14,12 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import loopback
 import pytest
+from helpers import loopback
 
-FORMS = Path(__file__).resolve().parent / "world_forms"
-
-pytestmark = pytest.mark.slow
+FORMS = Path(__file__).resolve().parents[1] / "data" / "world_forms"
 
 
 @pytest.fixture

@@ -12,9 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_harness import TRAINER, sets, trainer_env
-
-pytestmark = pytest.mark.slow
+from helpers.trainer_harness import TRAINER, sets, trainer_env
 
 STEPS = ["train.max_steps=6", "train.log_every=2", "train.micro_batch_size=8", "checkpoint.save_steps=0"]
 SECRET = "hook-token-5f1e"
@@ -28,7 +26,7 @@ TAGS = {
 
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
-    from trainer_harness import finish, start_run
+    from helpers.trainer_harness import finish, start_run
 
     output_dir = tmp_path_factory.mktemp("report_to") / "run"
     run = finish(

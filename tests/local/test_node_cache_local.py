@@ -14,8 +14,12 @@ import os
 import sys
 
 import pytest
-from fake_launch import fake_launch, one_node_cluster, trainer
-from loopback import REPO
+from helpers.fake_launch import fake_launch, one_node_cluster, trainer
+from helpers.loopback import REPO
+
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
 
 NODE_PROGRAM = REPO / "trainer" / "controller" / "launcher" / "playbooks" / "files" / "node_ctl.py"
 #: The planting account: not the one the helper runs as.

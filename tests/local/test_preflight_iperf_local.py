@@ -23,7 +23,11 @@ import yaml
 
 from trainer import exitcodes
 
-REPO = Path(__file__).resolve().parents[1]
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
+
+REPO = Path(__file__).resolve().parents[2]
 TRAINER = [sys.executable, "-m", "trainer"]
 HELPER = REPO / "trainer/controller/preflight/playbooks/files/iperf_pair.py"
 ATTACKER = "ct-pidplanter"

@@ -17,7 +17,11 @@ import yaml
 
 from trainer import exitcodes
 
-REPO = Path(__file__).resolve().parents[1]
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
+
+REPO = Path(__file__).resolve().parents[2]
 TRAINER = [sys.executable, "-m", "trainer"]
 
 

@@ -8,11 +8,8 @@ import json
 import subprocess
 import sys
 
-import pytest
-from finetune_harness import build
-from loopback import write_inventory
-
-pytestmark = pytest.mark.slow
+from helpers.finetune_harness import build
+from helpers.loopback import write_inventory
 
 
 def launch(inventory, run_name: str, *sets: str) -> str:

@@ -18,9 +18,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from local_sshd import local_sshd
-from loopback import write_inventory
-from push_harness import digests, push
+from helpers.local_sshd import local_sshd
+from helpers.loopback import write_inventory
+from helpers.push_harness import digests, push
+
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
 
 TRAINING_USER = "nobody"
 

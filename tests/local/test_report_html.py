@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 #: A run name and a data path a user could have typed: markup that must come out as text.
 RUN_NAME = 'qwen-lora <img src=x onerror="document.title=1"> & "friends"'

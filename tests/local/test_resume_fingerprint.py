@@ -9,13 +9,10 @@ import random
 import shutil
 from pathlib import Path
 
-import pytest
-from finetune_harness import chat_data, finetune_sets, hf_cache, tiny_model  # noqa: F401
+from helpers.finetune_harness import chat_data, finetune_sets, hf_cache, tiny_model  # noqa: F401
 
 from trainer import exitcodes
 from trainer.node.checkpoint import STATE_FILE
-
-pytestmark = pytest.mark.slow  # real training runs
 
 TINY = ["train.max_steps=2", "train.log_every=1", "model.n_layer=1", "checkpoint.save_steps=2"]
 LONGER = "train.max_steps=4"

@@ -16,8 +16,8 @@ import json
 import shutil
 
 import pytest
-from finetune_harness import chat_data, hf_cache, tiny_model  # noqa: F401
-from trainer_harness import (
+from helpers.finetune_harness import chat_data, hf_cache, tiny_model  # noqa: F401
+from helpers.trainer_harness import (
     RESIZE_GPT,
     finish,
     sample_log,
@@ -26,8 +26,6 @@ from trainer_harness import (
     start_run,
     stopped_after,
 )
-
-pytestmark = pytest.mark.slow  # real multi-process training runs
 
 GPT = RESIZE_GPT
 #: The effective batch 24 on 1 and 3 processes: (processes, accumulation).

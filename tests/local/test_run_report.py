@@ -10,12 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from finetune_harness import chat_data, finetune_sets, hf_cache, tiny_model  # noqa: F401
-from trainer_harness import BIN, TIMEOUT_S, TRAINER, free_port, sets, trainer_env
+from helpers.finetune_harness import chat_data, finetune_sets, hf_cache, tiny_model  # noqa: F401
+from helpers.trainer_harness import BIN, TIMEOUT_S, TRAINER, free_port, sets, trainer_env
 
 from trainer.node.report import curves, figure, read_metrics
-
-pytestmark = pytest.mark.slow
 
 PICTURES = ["loss.png", "learning_rate.png", "tokens_per_s.png", "step_time.png"]
 STEPS = ["train.max_steps=6", "train.log_every=2", "train.micro_batch_size=8", "checkpoint.save_steps=0"]

@@ -9,9 +9,13 @@ import sys
 import time
 
 import yaml
-from local_sshd import local_sshd, ssh_masters, sshd_sessions
+from helpers.local_sshd import local_sshd, ssh_masters, sshd_sessions
 
 from trainer.controller.runner import run_playbook
+
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
 
 PLAYBOOK = [
     {

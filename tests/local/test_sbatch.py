@@ -19,10 +19,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from loopback import VENV
-from slurm_cluster import SlurmCluster
+from helpers.loopback import VENV
+from helpers.slurm_cluster import SlurmCluster
 
-OWN_COMMAND = Path(__file__).resolve().parent / "own_command"
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
+
+OWN_COMMAND = Path(__file__).resolve().parents[1] / "data" / "own_command"
 TINY = ("train.log_every=1", "train.warmup_steps=1", "checkpoint.save_steps=2")
 
 

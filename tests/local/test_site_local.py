@@ -13,9 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from loopback import two_node_inventory
+from helpers.loopback import two_node_inventory
 
-REPO = Path(__file__).resolve().parents[1]
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
+
+REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 WATCHED = [
     "/etc/exports",

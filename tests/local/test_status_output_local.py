@@ -4,7 +4,11 @@ recolour or erase what is shown. Real `trainer status` on a one-node loopback cl
 
 from __future__ import annotations
 
-from fake_launch import fake_launch, one_node_cluster, trainer
+from helpers.fake_launch import fake_launch, one_node_cluster, trainer
+
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
 
 #: Clear the screen, home the cursor, a red "done", backspaces over it and the terminal's bell. (A
 #: carriage return is a line break to the node's helper, as a newline is: it fakes nothing more.)

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
 from trainer import exitcodes
-
-pytestmark = pytest.mark.slow  # real training runs (one process each)
 
 TINY = ["train.max_steps=3", "train.log_every=1", "model.n_layer=1", "checkpoint.save_steps=2"]
 

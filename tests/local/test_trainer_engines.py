@@ -14,7 +14,7 @@ import json
 import time
 
 import pytest
-from trainer_harness import (
+from helpers.trainer_harness import (
     PAUSE_IN_STEP_20_WRITE,
     QUICK,
     assert_trained,
@@ -23,8 +23,6 @@ from trainer_harness import (
     start_run,
     wait_for,
 )
-
-pytestmark = pytest.mark.slow
 
 ENGINES = [
     pytest.param("torchrun", ["distributed.engine=ddp"], id="ddp"),

@@ -5,13 +5,21 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-from trainer_harness import BIN, QUICK, TIMEOUT_S, TRAINER, Run, assert_trained, free_port, sets, trainer_env
+from helpers.trainer_harness import (
+    BIN,
+    QUICK,
+    TIMEOUT_S,
+    TRAINER,
+    Run,
+    assert_trained,
+    free_port,
+    sets,
+    trainer_env,
+)
 
 from trainer import exitcodes
 
 
-@pytest.mark.slow
 def test_single_process_without_launcher_json_lines_oversubscribed_and_rotated(run_trainer, tmp_path):
     data = tmp_path / "notes.jsonl"
     lines = [json.dumps({"text": f"note {i}: the cat sat on the mat. " * 3}) for i in range(7)]
@@ -63,7 +71,6 @@ def wait_all(jobs: list[subprocess.Popen]) -> tuple[list[int], str, str]:
     return [job.returncode for job in jobs], "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
 
 
-@pytest.mark.slow
 def test_two_nodes_on_loopback_train_and_leave_cleanly(tmp_path):
     # Two torchrun "nodes" × 2 processes, c10d rendezvous. With gloo this is where
     # destroy_process_group() used to abort a rank and hang its peer: both must exit 0, promptly.
@@ -81,7 +88,6 @@ def test_two_nodes_on_loopback_train_and_leave_cleanly(tmp_path):
     assert run.json("run.json")["data"]["effective_batch"] == 8 * 4 * 2
 
 
-@pytest.mark.slow
 def test_output_dir_not_shared_between_nodes_is_refused_with_the_fix(tmp_path):
     # Each "node" gets its own directory, as with a node-local path on a real cluster.
     codes, _, stderr = wait_all(

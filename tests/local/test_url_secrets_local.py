@@ -20,12 +20,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import loopback
 import pytest
 import yaml
+from helpers import loopback
 
 from trainer import exitcodes
 from trainer.cli import main
+
+#: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
+#: here slow unless the module says this).
+ALL_SLOW = False
 
 PROXY_SECRET = "proxy-pass-4c1d"
 SIG_SECRET = "sas-sig-88e2"

@@ -19,18 +19,16 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import loopback
 import pytest
+from helpers import loopback
 
 from trainer import exitcodes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv"
 RUN = "verbs"
 HEAD_STEP = re.compile(r"^(?:\[node0\] )?step (\d+)/")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-pytestmark = pytest.mark.slow
 
 
 def loopback_cluster(tmp: Path) -> tuple[Path, Path]:

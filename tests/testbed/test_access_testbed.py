@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from health_webhook_server import WebhookServer
-from testbed_nodes import BED_TEST
+from helpers.health_webhook_server import WebhookServer
+from helpers.testbed_nodes import BED_TEST
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "molecule" / "default" / "inventory"
 ACCESS = Path("/var/tmp/clustertrain-testbed/access")
 BECOME_PASSWORD_FILE = ACCESS / "become-password"

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testbed_nodes import BED_TEST, ENV, site
+from helpers.testbed_nodes import BED_TEST, ENV, site
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SKIPPED = "and this run is made from the same inputs: the roles are skipped"
 CONVERGED_ON = ("-e", "converged_full_run=false")
 TRAINER_HOME = "/home/trainer"

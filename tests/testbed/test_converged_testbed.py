@@ -15,15 +15,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from bed_launch import BED_UP, ENV
-from testbed_nodes import site
+from helpers.bed_launch import BED_UP, ENV
+from helpers.testbed_nodes import site
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOST = "ct-worker2"
 CHRONY_CONF = "/etc/chrony/chrony.conf"
 SKIPPED = "and this run is made from the same inputs: the roles are skipped"
 
-pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
+pytestmark = [pytest.mark.slow, BED_UP]
 
 
 def on_host(script: str) -> str:

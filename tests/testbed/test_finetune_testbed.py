@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from bed_launch import BED_UP, INVENTORY, group_vars, launch, run_launch
-from finetune_harness import generate
+from helpers.bed_launch import BED_UP, INVENTORY, group_vars, launch, run_launch
+from helpers.finetune_harness import generate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NODES = ("ct-head", "ct-worker1")
 MASTER_PORT = 29543  # its own, so the launch and preflight tests never collide with it
 
-pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
+pytestmark = [pytest.mark.slow, BED_UP]
 
 
 @pytest.fixture

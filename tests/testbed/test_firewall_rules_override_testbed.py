@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from bed_launch import BED_UP, ENV, HOSTS, INVENTORY, group_vars
+from helpers.bed_launch import BED_UP, ENV, HOSTS, INVENTORY, group_vars
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 
 
@@ -29,7 +29,6 @@ def ufw_rules(host: str) -> str:
 BED_ADDRESSES = ("10.89.42.10", "10.89.42.11", "10.89.42.12")
 
 
-@pytest.mark.testbed
 @pytest.mark.slow
 @BED_UP
 def test_check_diff_on_the_provisioned_bed_shows_the_group_vars_rule_and_changes_nothing(tmp_path):

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from bed_launch import BED_UP, ENV, HOSTS, INVENTORY, group_vars, run_launch
-from testbed_nodes import own_like
+from helpers.bed_launch import BED_UP, ENV, HOSTS, INVENTORY, group_vars, run_launch
+from helpers.testbed_nodes import own_like
 
-OWN_COMMAND = Path(__file__).resolve().parent / "own_command"
+OWN_COMMAND = Path(__file__).resolve().parents[1] / "data" / "own_command"
 #: A master port of its own (test_launch_testbed uses 29541, preflight's tests others).
 MASTER_PORT = 29543
 SECRET = "testbed-secret-5d2e"
 
-pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
+pytestmark = [pytest.mark.slow, BED_UP]
 
 
 @pytest.fixture

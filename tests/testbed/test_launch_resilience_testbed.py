@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from bed_launch import BED_UP, ENV, HOSTS, launch, run_launch, worker_trainer_pids
-from bed_launch import testbed as _testbed  # noqa: F401 - the fixture, by its name
+from helpers.bed_launch import BED_UP, ENV, HOSTS, launch, run_launch, worker_trainer_pids
+from helpers.bed_launch import testbed as _testbed  # noqa: F401 - the fixture, by its name
 
-pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
+pytestmark = [pytest.mark.slow, BED_UP]
 
 SSH_PORT = 2222  # ct-worker2's sshd (molecule/default/prepare.yml)
 DROP_SSH = ["INPUT", "-p", "tcp", "--dport", str(SSH_PORT), "-j", "DROP"]

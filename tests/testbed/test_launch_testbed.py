@@ -11,10 +11,10 @@ import subprocess
 import time
 
 import pytest
-from bed_launch import BED_UP, ENV, HOSTS, launch, run_launch, worker_trainer_pids
-from bed_launch import testbed as _testbed  # noqa: F401 - the fixture, by its name
+from helpers.bed_launch import BED_UP, ENV, HOSTS, launch, run_launch, worker_trainer_pids
+from helpers.bed_launch import testbed as _testbed  # noqa: F401 - the fixture, by its name
 
-pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
+pytestmark = [pytest.mark.slow, BED_UP]
 
 
 def test_three_node_launch_trains_with_agreeing_ranks(testbed):

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from bed_launch import BED_UP, HOSTS, INVENTORY, group_vars, run_launch
-from testbed_nodes import own_like
+from helpers.bed_launch import BED_UP, HOSTS, INVENTORY, group_vars, run_launch
+from helpers.testbed_nodes import own_like
 
-FORMS = Path(__file__).resolve().parent / "world_forms"
+FORMS = Path(__file__).resolve().parents[1] / "data" / "world_forms"
 #: A master port of its own (other testbed tests use 29541, 29543, 29547).
 MASTER_PORT = 29549
 NODES, PROCS = 3, 2
 
-pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
+pytestmark = [pytest.mark.slow, BED_UP]
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testbed_nodes import BED_TEST, INVENTORY, LauncherOutput, lost_node, own_like, restore_node
+from helpers.testbed_nodes import BED_TEST, INVENTORY, LauncherOutput, lost_node, own_like, restore_node
 
 pytestmark = BED_TEST
 #: A master port of this file's own, inside the firewall's comm range (the other bed tests use theirs).

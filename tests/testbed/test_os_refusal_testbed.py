@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from bed_launch import BED_UP, ENV, INVENTORY
+from helpers.bed_launch import BED_UP, ENV, INVENTORY
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAKE = "ct-rocky"
 IMAGE = "localhost/clustertrain-base:bookworm"
 ROCKY_OS_RELEASE = """NAME="Rocky Linux"
@@ -31,7 +31,7 @@ PLATFORM_ID="platform:el9"
 PRETTY_NAME="Rocky Linux 9.4 (Blue Onyx)"
 """
 
-pytestmark = [pytest.mark.testbed, BED_UP]
+pytestmark = BED_UP
 
 
 def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -23,7 +23,7 @@ import pytest
 
 from trainer import exitcodes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "molecule" / "default" / "inventory"
 STATUS = Path("/tmp/clustertrain-testbed.status")
 ENV = {**os.environ, "CONTAINERS_CONF": str(REPO / "scripts" / "testbed" / "containers.conf")}
@@ -34,7 +34,6 @@ FAST = ("--skip", "deepspeed")
 EXTENSIONS = "/var/cache/clustertrain/torch_extensions"
 
 pytestmark = [
-    pytest.mark.testbed,
     pytest.mark.skipif(
         not (STATUS.exists() and STATUS.read_text().startswith("up")),
         reason="the Molecule test bed is not up (/tmp/clustertrain-testbed.status)",

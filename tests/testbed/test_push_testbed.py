@@ -17,10 +17,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from push_harness import digests, push
-from testbed_nodes import BED_TEST, ENV, HEAD, INVENTORY, _inventory, podman
+from helpers.push_harness import digests, push
+from helpers.testbed_nodes import BED_TEST, ENV, HEAD, INVENTORY, _inventory, podman
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = "ct-worker1"
 
 pytestmark = BED_TEST

@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from bed_launch import BED_UP, ENV, INVENTORY, group_vars
+from helpers.bed_launch import BED_UP, ENV, INVENTORY, group_vars
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOST = "ct-worker1"
 TARGET = "/opt/clustertrain-planted-target"
 
-pytestmark = [pytest.mark.testbed, pytest.mark.slow, BED_UP]
+pytestmark = [pytest.mark.slow, BED_UP]
 
 
 def on_host(script: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testbed_nodes import BED_TEST, ENV, INVENTORY, REPO
+from helpers.testbed_nodes import BED_TEST, ENV, INVENTORY, REPO
 
 pytestmark = BED_TEST
 SKIPPED = "and this run is made from the same inputs: the roles are skipped"

@@ -9,7 +9,7 @@ from pathlib import Path
 from trainer import exitcodes
 from trainer.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_config_that_is_not_utf8_is_named(tmp_path, capsys):

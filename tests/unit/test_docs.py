@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 DOCS = REPO / "docs"
 README = REPO / "README.md"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from plan_inventory import three_nodes
+from helpers.plan_inventory import three_nodes
 
 from trainer.controller.launcher.launchfiles import deepspeed_config, launch_files
 from trainer.controller.launcher.plan import make_plan

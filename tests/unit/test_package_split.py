@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trainer"
 # Playbook files are scripts copied to the nodes, not modules of the package.
 SCRIPT_DIRS = ("playbooks",)

@@ -20,12 +20,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from health_webhook_server import WebhookServer
+from helpers.health_webhook_server import WebhookServer
 
 from trainer.controller.access import Access
 from trainer.controller.runner import SUDO_PASSWORD_FIX, TaskResult, run_playbook
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 LOCAL_INVENTORY = REPO / "inventory" / "local"
 ANSIBLE_VAULT = Path(sys.executable).with_name("ansible-vault")
 VAULT_PASSWORD = "vault-pw-7c1e0b"

@@ -24,7 +24,7 @@ import yaml
 from trainer import exitcodes
 from trainer.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 
 #: Every line an attacker's value tries to add: chrony's open door and ssh's root command.

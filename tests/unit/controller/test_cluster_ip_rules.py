@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from plan_inventory import write_inventory
+from helpers.plan_inventory import write_inventory
 
 from trainer import exitcodes
 from trainer.cli import main

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from loopback import VENV, free_port
-from plan_inventory import three_nodes, write_inventory
+from helpers.loopback import VENV, free_port
+from helpers.plan_inventory import three_nodes, write_inventory
 
 from trainer.controller.launcher.launchfiles import hand_run_commands, launch_files
 from trainer.controller.launcher.plan import make_plan

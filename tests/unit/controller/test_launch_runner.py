@@ -14,7 +14,7 @@ import pytest
 
 from trainer.controller.runner import run_playbook
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 LOCAL_INVENTORY = REPO / "inventory" / "local"
 
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from plan_inventory import three_nodes, write_inventory
+from helpers.plan_inventory import three_nodes, write_inventory
 
 from trainer.cli import main
 from trainer.controller.inventory import InventoryError
 from trainer.controller.launcher.plan import PlanError, make_plan
 from trainer.controller.launcher.topology import TopologyError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_head_is_rank_zero_and_workers_follow_inventory_order(tmp_path):

@@ -20,9 +20,9 @@ import pytest
 CLEANUP = (
     Path(__file__)
     .resolve()
-    .parents[1]
+    .parents[3]
     .joinpath(
-        Path(__file__).resolve().parents[1]
+        Path(__file__).resolve().parents[3]
         / "trainer"
         / "controller"
         / "preflight"

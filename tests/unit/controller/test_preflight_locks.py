@@ -25,7 +25,7 @@ import yaml
 
 from trainer import torch_extensions
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 FILES = REPO / "trainer" / "controller" / "preflight" / "playbooks" / "files"
 
 

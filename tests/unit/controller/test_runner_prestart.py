@@ -15,7 +15,7 @@ import pytest
 
 from trainer.controller.runner import PRIVATE_DIR_PREFIX, prestart_playbook, run_playbook
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 LOCAL_INVENTORY = REPO / "inventory" / "local"
 LOOKUP = REPO / "trainer" / "controller" / "launcher" / "playbooks" / "lookup_plugins" / "runner_late_vars.py"
 #: Ansible would render these if they were given as templates: a sum, and a command run on the controller.

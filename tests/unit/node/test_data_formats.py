@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from finetune_harness import hf_cache, llama3_tokenizer, records_file, tiny_model  # noqa: F401
+from helpers.finetune_harness import hf_cache, llama3_tokenizer, records_file, tiny_model  # noqa: F401
 
 from trainer import exitcodes
 from trainer.cli import main

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from finetune_harness import hf_cache, records_file, tiny_model  # noqa: F401
+from helpers.finetune_harness import hf_cache, records_file, tiny_model  # noqa: F401
 
 from trainer import exitcodes
 from trainer.cli import main

@@ -15,7 +15,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-from finetune_harness import hf_cache, tiny_model  # noqa: F401
+from helpers.finetune_harness import hf_cache, tiny_model  # noqa: F401
 from torch import nn
 
 from trainer.node.distributed import Topology

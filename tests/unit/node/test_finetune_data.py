@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from finetune_harness import build, chat_data, hf_cache, tiny_model  # noqa: F401
+from helpers.finetune_harness import build, chat_data, hf_cache, tiny_model  # noqa: F401
 
 from trainer import exitcodes
 from trainer.cli import main

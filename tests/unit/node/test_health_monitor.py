@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from health_webhook_server import WebhookServer
+from helpers.health_webhook_server import WebhookServer
 
 from trainer import exitcodes
 from trainer.node.health import (

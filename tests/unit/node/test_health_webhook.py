@@ -7,7 +7,7 @@ import logging
 import time
 
 import pytest
-from health_webhook_server import WebhookServer, closed_port_url
+from helpers.health_webhook_server import WebhookServer, closed_port_url
 
 from trainer.node.health import Fault, HealthConfig, WebhookSender
 from trainer.node.health.config import backoff_total_s

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from trainer_harness import TRAINER, finish, sets, start_run, trainer_env
+from helpers.trainer_harness import TRAINER, finish, sets, start_run, trainer_env
 
 from trainer import logsetup
 

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from finetune_harness import build, hf_cache, tiny_model  # noqa: F401
+from helpers.finetune_harness import build, hf_cache, tiny_model  # noqa: F401
 
 from trainer import exitcodes
 from trainer.cli import main

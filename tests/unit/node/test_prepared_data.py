@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 import pytest
-from finetune_harness import build, chat_data, hf_cache, tiny_model  # noqa: F401
-from prepared_harness import digest, result, spawn
+from helpers.finetune_harness import build, chat_data, hf_cache, tiny_model  # noqa: F401
+from helpers.prepared_harness import digest, result, spawn
 
 from trainer.configerror import ConfigError
 from trainer.node.config import load_config

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-PLUGIN = Path(__file__).resolve().parents[1] / "roles" / "converged" / "filter_plugins" / "converged.py"
+PLUGIN = Path(__file__).resolve().parents[3] / "roles" / "converged" / "filter_plugins" / "converged.py"
 spec = importlib.util.spec_from_file_location("converged_filters", PLUGIN)
 converged = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(converged)

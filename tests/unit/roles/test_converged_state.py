@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-MODULE = Path(__file__).resolve().parents[1] / "roles" / "converged" / "library" / "converged_state.py"
+MODULE = Path(__file__).resolve().parents[3] / "roles" / "converged" / "library" / "converged_state.py"
 #: Root as on a home on NFS that squashes root: without the capabilities that let it read any file.
 SQUASHED_ROOT = [
     "setpriv",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROLES = Path(__file__).resolve().parents[1] / "roles"
+ROLES = Path(__file__).resolve().parents[3] / "roles"
 #: Module -> the argument that names what it writes.
 WRITERS = {
     "ansible.builtin.template": "dest",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-PLUGIN = Path(__file__).resolve().parents[1] / "roles" / "firewall" / "filter_plugins" / "firewall_rules.py"
+PLUGIN = Path(__file__).resolve().parents[3] / "roles" / "firewall" / "filter_plugins" / "firewall_rules.py"
 spec = importlib.util.spec_from_file_location("firewall_rules", PLUGIN)
 rules = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rules)

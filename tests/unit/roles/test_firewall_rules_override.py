@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from loopback import two_node_inventory
+from helpers.loopback import two_node_inventory
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 
 

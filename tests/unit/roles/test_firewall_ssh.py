@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-PLUGIN = Path(__file__).resolve().parents[1] / "roles" / "firewall" / "filter_plugins" / "firewall_ssh.py"
+PLUGIN = Path(__file__).resolve().parents[3] / "roles" / "firewall" / "filter_plugins" / "firewall_ssh.py"
 spec = importlib.util.spec_from_file_location("firewall_ssh", PLUGIN)
 firewall_ssh = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(firewall_ssh)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import tomllib
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "scripts" / "build-node-wheel.py"
 
 

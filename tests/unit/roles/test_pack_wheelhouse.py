@@ -10,7 +10,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pack-wheelhouse.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "pack-wheelhouse.py"
 
 
 def pack(wheelhouse: Path, out: Path) -> dict:

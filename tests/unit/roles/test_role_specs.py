@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROLES = Path(__file__).resolve().parents[1] / "roles"
+ROLES = Path(__file__).resolve().parents[3] / "roles"
 PY_TYPES = {"bool": bool, "int": int, "float": float, "list": list, "dict": dict, "str": str}
 
 

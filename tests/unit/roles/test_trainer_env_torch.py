@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 DEFAULTS = REPO / "roles" / "trainer_env" / "defaults" / "main" / "main.yml"
 PLAYBOOK = f"""
 - hosts: cluster

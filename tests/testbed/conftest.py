@@ -1,0 +1,20 @@
+"""tests/testbed: the tests that need the Molecule test bed (scripts/testbed/run-scenario.sh brings it
+up and runs `pytest -m testbed`). Every test here is marked `testbed`, so `make test-fast`
+(`-m "not testbed"`) leaves them out; the modules add `slow` and the skip while the bed is down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+# First, so that `-m` (pytest's own hook) selects by the marker added here.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The hook sees the whole session's items, not only this folder's.
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.testbed)
