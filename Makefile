@@ -105,7 +105,7 @@ docs: install-dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # The reference pages generated from the code (the CLI's parsers, the config's docstrings, the roles'
-# argument_specs); tests/test_docs.py fails when the committed ones are out of date.
+# argument_specs); tests/unit/test_docs.py fails when the committed ones are out of date.
 docs-gen: install-dev
 	$(BIN)/python scripts/gen_docs.py
 

@@ -16,7 +16,7 @@ attempt), in one run:
 - whether the run finished (every step done, the launcher's exit code 0) and the launcher's exit code.
 
 Then ct-worker2's container is started again and waited on until it is a usable node
-(tests/testbed_nodes.py: systemd, sshd, the shared dir, ufw, chrony), with the seconds each took.
+(tests/helpers/testbed_nodes.py: systemd, sshd, the shared dir, ufw, chrony), with the seconds each took.
 A launcher that gives up on the lost node (no step after the kill) is reported as such: the bench
 prints what the launcher said after the kill and exits 1. Exit 0 only when the survivors resumed and
 the run finished.
@@ -48,14 +48,14 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "tests"))
-from launch import STATUS, make_inventory, testbed_up  # noqa: E402 - the sibling benchmark
-from testbed_nodes import (  # noqa: E402 - the bed tests' helpers: one way to kill and restore a node
+from helpers.testbed_nodes import (  # noqa: E402 - the bed tests' helpers: one way to kill and restore a node
     LauncherOutput,
     Line,
     kill_node,
     restore_node,
     running,
 )
+from launch import STATUS, make_inventory, testbed_up  # noqa: E402 - the sibling benchmark
 
 VICTIM = "ct-worker2"
 #: The bed's master port for this bench (bench/launch.py 29531, bench/scaling.py 29533-4, tests 2954x).

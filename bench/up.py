@@ -40,7 +40,7 @@ import yaml
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO / "tests"))
-from testbed_nodes import ENV, INVENTORY, LauncherOutput  # noqa: E402 - the bed tests' helpers
+from helpers.testbed_nodes import ENV, INVENTORY, LauncherOutput  # noqa: E402 - the bed tests' helpers
 
 MOLECULE = REPO / "scripts" / "testbed" / "molecule.sh"
 STATUS = Path("/tmp/clustertrain-testbed.status")

@@ -7,9 +7,9 @@
   config dataclasses' field docstrings, read by the code that `trainer train --help-config` uses
   (trainer.node.config.config_keys);
 - docs/reference/roles.md: every role variable, from roles/*/meta/argument_specs.yml, with its default
-  from the role's defaults/ (tests/test_role_specs.py keeps the two in step).
+  from the role's defaults/ (tests/unit/roles/test_role_specs.py keeps the two in step).
 
-The pages are committed; tests/test_docs.py regenerates them into a temporary dir and fails when a
+The pages are committed; tests/unit/test_docs.py regenerates them into a temporary dir and fails when a
 committed one differs. The output depends on the code only: the terminal's width, this checkout's path
 and the home dir never reach a page.
 

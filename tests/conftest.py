@@ -10,7 +10,7 @@ import pytest
 # Ansible (imported in this process by the controller tests) replaces sys.intern with a patch object;
 # torch._dynamo, imported later by transformers in the fine-tuning tests, registers a polyfill for
 # sys.intern and refuses that object (TypeError: substitute_in_graph expects a function). Production
-# never has both in one process (tests/test_package_split.py keeps the sides apart); this test
+# never has both in one process (tests/unit/test_package_split.py keeps the sides apart); this test
 # process has both, so dynamo is imported first, while sys.intern is still the builtin.
 with contextlib.suppress(ImportError):
     import torch._dynamo  # noqa: F401

@@ -2,7 +2,7 @@
 
 The node's DeepSpeed engine trains with it (and writes it to OUTPUT_DIR/ds_config.json); the controller
 writes the same config into the launch dir (`deepspeed.json`) for people and hand runs. Both call
-`build` with the same `TrainerValues`, so the two cannot drift; tests/test_ds_config.py checks it.
+`build` with the same `TrainerValues`, so the two cannot drift; tests/unit/test_ds_config.py checks it.
 
 Without a JSON of the user's, the config is built from the trainer's keys. With one
 (`distributed.deepspeed_config: PATH`), it is merged the way the Hugging Face Trainer does it: every

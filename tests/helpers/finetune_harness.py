@@ -1,7 +1,7 @@
 """Helpers for the fine-tuning tests: a tiny Hugging Face model and chat data built offline by the
 project's own script (scripts/build_tiny_hf_model.py), once per test session.
 
-Test modules import the fixtures they use (`from finetune_harness import tiny_model, chat_data`).
+Test modules import the fixtures they use (`from helpers.finetune_harness import tiny_model, chat_data`).
 """
 
 from __future__ import annotations

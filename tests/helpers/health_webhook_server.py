@@ -1,4 +1,4 @@
-"""A real HTTP server on 127.0.0.1 that records webhook POSTs (used by tests/test_health_*.py).
+"""A real HTTP server on 127.0.0.1 that records webhook POSTs (used by the health and access tests).
 
 `behaviour` decides each answer: a status code, or a delay before answering (a slow server).
 """

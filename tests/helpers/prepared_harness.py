@@ -6,7 +6,7 @@ digest of the arrays, the last note, the CPU seconds the call took) or the error
 The cache's timings (heartbeat, stale lock, grace) are arguments, so a test of a dead preparer waits
 seconds, not minutes; everything else is the trainer's own code on the tiny model and real data.
 
-    python tests/prepared_harness.py --dir DIR --stale 2 -- model.name_or_path=... data.path=...
+    python tests/helpers/prepared_harness.py --dir DIR --stale 2 -- model.name_or_path=... data.path=...
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 process on the node gone at once, as when a spot instance is reclaimed or a machine loses power) and
 started again, then waited on until it is a node the launcher can use.
 
-Imported by the bed tests (`from testbed_nodes import ...`) and by bench/node_loss.py; it imports no
+Imported by the bed tests (`from helpers.testbed_nodes import ...`) and by bench/node_loss.py; it imports no
 test module.
 
 What a restart of a container needs, measured on the bed (podman 4.3, runc, the Debian 12 image, after

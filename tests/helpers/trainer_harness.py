@@ -1,6 +1,6 @@
 """Helpers for trainer tests: real `trainer train` runs under real launchers, on the CPU, on loopback.
 
-Imported by the trainer tests (`from trainer_harness import ...`); the fixture is in conftest.py.
+Imported by the trainer tests (`from helpers.trainer_harness import ...`); the fixture is in conftest.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Qwen guide's job through `trainer launch` on this machine: two loopback "hosts" (node ranks 0
 and 1, one process each, gloo), LoRA with DeepSpeed ZeRO-2, the model and the data on the shared dir.
 The same path as on a cluster (ansible-runner, the launch playbooks, run.sh, torchrun), without the
-container test bed (tests/test_finetune_testbed.py is the same job on it)."""
+container test bed (tests/testbed/test_finetune_testbed.py is the same job on it)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Before: every `trainer train` start deleted any `*.tmp` in output_dir and checkpoints/ (a user's
 `notes.tmp` vanished), and a second run on the same output dir deleted the first one's checkpoint
-write in flight. Real `trainer train` runs on the CPU (tests/trainer_harness.py); the lock between
+write in flight. Real `trainer train` runs on the CPU (tests/helpers/trainer_harness.py); the lock between
 hosts through the CLI the batch scripts use (`python -m trainer.joblock`).
 """
 

@@ -1,9 +1,9 @@
 """`trainer launch -- COMMAND`: the user's own command on two loopback "hosts" (ansible_connection
 local, node ranks 0 and 1), through the real playbooks, real torchrun and real gloo.
 
-The command is a script of the Qwen guide's shape (tests/own_command/finetune/finetune_lora_ds.sh):
+The command is a script of the Qwen guide's shape (tests/data/own_command/finetune/finetune_lora_ds.sh):
 it reads NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT from the environment and runs torchrun on a
-tiny training script of the tests' own (tests/own_command/finetune.py).
+tiny training script of the tests' own (tests/data/own_command/finetune.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The run's lock (trainer.controller.launcher.runlock) on two loopback "hosts" (test_launch_local's
+"""The run's lock (trainer.controller.launcher.runlock) on two loopback "hosts" (helpers/loopback_launch's
 fixture): two launches of one run name started half a second apart (the race that had each stop the
 other), and the lock a launcher killed with -9 leaves behind (refused, then taken over with --force).
 

@@ -31,7 +31,7 @@ from trainer import exitcodes
 
 @pytest.fixture
 def loopback(request) -> tuple[Path, Path]:
-    """(inventory, shared dir) of two loopback hosts: test_launch_local's loopback_cluster."""
+    """(inventory, shared dir) of two loopback hosts: helpers.loopback_launch's loopback_cluster."""
     return request.getfixturevalue("_loopback_cluster")
 
 

@@ -3,7 +3,7 @@ as consequence. Each rank of the bundled trainer writes its own exit record (tra
 its code and one-line reason; torchrun's own code is 1 whatever its workers' were), and its entry
 point is wrapped in torch's `@record` with torchrun's `--log-dir` under each node's dir, so the failing
 rank's exception, host and last frame come from files, not from a regex over torchrun's text. Two
-loopback "hosts" (test_launch_local's fixture); rank 1 raises before step 3 through the trainer's test
+loopback "hosts" (helpers/loopback_launch's fixture); rank 1 raises before step 3 through the trainer's test
 hook TRAINER_TEST_RAISE (trainer.node.progress); bad data fails every rank with exit 2."""
 
 from __future__ import annotations

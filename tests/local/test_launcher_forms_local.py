@@ -2,7 +2,7 @@
 (ansible_connection local, 2 processes each, CPU only), through the real playbooks and the real
 launchers: plain torchrun (no --nnodes: the PET_* environment), `python -m torch.distributed.run`,
 `accelerate launch` without --config_file and with the generated one, and `deepspeed` (run as one
-node's share per node). The script of tests/world_forms all-reduces a 1: every process must see
+node's share per node). The script of tests/data/world_forms all-reduces a 1: every process must see
 world size 4 and a sum of 4. The accelerate script does not pass cpu=True, as most do not.
 """
 
@@ -23,7 +23,7 @@ FORMS = Path(__file__).resolve().parents[1] / "data" / "world_forms"
 @pytest.fixture
 def cluster(tmp_path) -> tuple[Path, Path, Path]:
     """(inventory, shared dir, working dir): node0 (head, 127.0.0.1) and node1 (127.0.0.2), 2
-    processes each, the working dir holding the scripts of tests/world_forms."""
+    processes each, the working dir holding the scripts of tests/data/world_forms."""
     workdir = tmp_path / "code"
     shutil.copytree(FORMS, workdir)
     inventory, shared = loopback.write_inventory(

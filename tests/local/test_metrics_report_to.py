@@ -163,7 +163,7 @@ def test_mlflow_file_store_holds_the_same_scalars_and_the_config(tracked_run, mo
 
 
 # A tracker's package is absent here as on a node without the extra: blocked in a fresh interpreter,
-# so `import` fails and importlib.util.find_spec says None (tests/test_package_split.py does the same).
+# so `import` fails and importlib.util.find_spec says None (tests/unit/test_package_split.py does the same).
 WITHOUT = """
 import sys
 sys.modules[sys.argv[1]] = None

@@ -1,4 +1,4 @@
-"""`trainer push` against a real OpenSSH server on this machine (tests/local_sshd.py) with real rsync:
+"""`trainer push` against a real OpenSSH server on this machine (tests/helpers/local_sshd.py) with real rsync:
 the head is reached over ssh as root, as an inventory reaches it, and the copy runs there as the
 training account (`nobody` here) through sudo, as on a cluster. The shared dir is a directory only
 that account may write. A one-host inventory with a local connection covers `inventory/local`."""

@@ -1,6 +1,6 @@
 """A playbook run over SSH leaves no SSH connection behind: the runner ends the masters its run
 started (ControlPersist would keep each up for 60 s after every launch, preflight and status, one
-per node). Real ssh, real sshd (tests/local_sshd.py), real ansible-playbook through the runner."""
+per node). Real ssh, real sshd (tests/helpers/local_sshd.py), real ansible-playbook through the runner."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`trainer sbatch`: the launch's job as a Slurm (or PBS) batch script, run on a real Slurm.
 
-The Slurm is tests/slurm_cluster.py: slurmctld and two slurmd on this machine, each node in a network
+The Slurm is tests/helpers/slurm_cluster.py: slurmctld and two slurmd on this machine, each node in a network
 namespace of its own (two addresses, two routes to the head). It needs root and the Debian packages
 slurmctld, slurmd, slurm-client and munge; without them the Slurm tests are skipped with the reason.
 The script checks that need no Slurm (syntax, secrets, PBS form) always run.

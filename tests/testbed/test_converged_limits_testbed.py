@@ -36,7 +36,7 @@ TRAINER_HOME = "/home/trainer"
 SQUASHED_HOST = "ct-worker1"
 SQUASHED_PYTHON = "/usr/local/bin/clustertrain-test-squashed-python3"
 SQUASHED_PYTHON_TEXT = """#!/bin/sh
-# tests/test_converged_limits_testbed.py: the converged check's module runs as root without the
+# tests/testbed/test_converged_limits_testbed.py: the converged check's module runs as root without the
 # capabilities that let root read any file (as root on a home on NFS that squashes root).
 squashed() {
   exec setpriv --inh-caps=-dac_override,-dac_read_search \\

@@ -1,7 +1,8 @@
 """The ports each role opens are the firewall role's defaults, so an inventory's group_vars replace them,
 on the provisioned test bed: the whole `site.yml --check --diff` passes and shows the overriding list's
-new rule as one ufw would add, on the head only, with every node's ufw rules left as they were. The
-same on this machine, with a two-node inventory of loopback addresses: tests/test_firewall_rules_override.py.
+new rule as one ufw would add, on the head only, with every node's ufw rules left as they were.
+The same on this machine, with a two-node inventory of loopback addresses:
+tests/unit/roles/test_firewall_rules_override.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`trainer launch -- COMMAND` on the Molecule test bed: three containers, the training user, gloo over
 the podman network, the bind-mounted shared dir (same path here and in the containers).
 
-The command is the Qwen-shaped script of tests/own_command (NNODES, NODE_RANK, MASTER_ADDR and
+The command is the Qwen-shaped script of tests/data/own_command (NNODES, NODE_RANK, MASTER_ADDR and
 MASTER_PORT from the environment, torchrun started by the script itself), copied to a working dir
 on the shared dir that the training user owns. Each test's run and working dir are removed after it.
 """

@@ -3,7 +3,7 @@ blocked for less and for longer than the unreachable grace (ct-worker2 is reache
 2222; the block is an iptables DROP in its own network namespace, plus `ss -K` on its sshd so the
 open connection breaks at once), a rank stuck outside a collective, a killed worker trainer with
 --max-restarts, SIGHUP to the launcher, and `trainer attach` after `kill -9` of the launcher.
-One process per node (the fixture of test_launch_testbed); run dirs are removed afterwards.
+One process per node (the fixture of helpers/bed_launch); run dirs are removed afterwards.
 """
 
 from __future__ import annotations

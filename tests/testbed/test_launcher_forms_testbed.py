@@ -2,7 +2,7 @@
 containers, two processes each, gloo over the podman network): each forms one job of 6 processes,
 and the world check tells a job that did not form.
 
-The script of tests/world_forms all-reduces a 1: every process must see world size 6 and a sum of 6.
+The script of tests/data/world_forms all-reduces a 1: every process must see world size 6 and a sum of 6.
 It is copied to a working dir on the shared dir, owned by the training user; each test's run and
 working dir are removed after it. `python -m torch.distributed.run`, accelerate with the generated
 file in a script, and a script's separate jobs (the world check's warning) run on two loopback hosts

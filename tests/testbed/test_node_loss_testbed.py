@@ -6,7 +6,7 @@ broke), leave it out at once, resume on the two survivors from the latest comple
 effective batch kept, and finish; the final loss must equal that of a run started on the survivors
 from the same checkpoint with the same batch split (exactly for ddp on the CPU; within 1e-4 relative
 for DeepSpeed ZeRO-2, whose checkpoint is converted to DeepSpeed's universal format on the way).
-The node is brought back afterwards (tests/testbed_nodes.py), and the next launch of the run uses it
+The node is brought back afterwards (tests/helpers/testbed_nodes.py), and the next launch of the run uses it
 again.
 """
 

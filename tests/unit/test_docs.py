@@ -21,7 +21,7 @@ VENV_BIN = Path(sys.executable).parent
 DOCS = REPO / "docs"
 README = REPO / "README.md"
 #: The line before a fenced block whose commands run on this machine (inventory/local) as written.
-RUNNABLE = "<!-- tested: tests/test_docs.py runs this block on inventory/local -->"
+RUNNABLE = "<!-- tested: tests/unit/test_docs.py runs this block on inventory/local -->"
 QUIET = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
 
 

@@ -4,7 +4,7 @@ Real ansible-playbook runs through trainer.controller.runner, real ansible-vault
 server receiving the trainer's webhook. What a user notices: a typed password answers the prompt and
 lands in no file, command line or environment; a vaulted webhook URL reaches the trainer and is
 never shown; a missing, wrong or loose password file is refused before anything runs, naming the
-file or variable and the fix. The test bed (tests/test_access_testbed.py) adds a real password sudo.
+file or variable and the fix. The test bed (tests/testbed/test_access_testbed.py) adds a real password sudo.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Property: any value given to any inventory variable is accepted, or refused with an error naming
 that variable (exit 2); never a traceback, never a file written. The inventory half of
-tests/test_config_fuzz.py: values go through the real loader (YAML files, Ansible's variable
+tests/unit/node/test_config_fuzz.py: values go through the real loader (YAML files, Ansible's variable
 precedence and templating) into `trainer plan`, and straight into the shared rules for both
 purposes (site.yml's validate play and plan/launch/preflight)."""
 

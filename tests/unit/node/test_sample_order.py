@@ -2,7 +2,7 @@
 effective batch split the same samples in each step, also across epoch boundaries and after a resume
 in the middle of an epoch; another effective batch continues from the samples consumed.
 
-The multi-process runs (tests/test_resume_world_size.py) show it for real training; an epoch there is
+The multi-process runs (tests/local/test_resume_world_size.py) show it for real training; an epoch there is
 thousands of steps, here it is 4, so the boundaries are crossed.
 """
 

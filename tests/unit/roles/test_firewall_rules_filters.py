@@ -1,6 +1,6 @@
 """Which ufw rules the firewall role removes, and when it reloads ufw into the kernel.
 
-The bed shows both on real nodes (tests/test_converged_limits_testbed.py); these are the decisions
+The bed shows both on real nodes (tests/testbed/test_converged_limits_testbed.py); these are the decisions
 behind them for the rule shapes the bed does not add: route and limit rules, deny rules kept, a
 comment with spaces, and a kernel with no IPv6 family.
 """

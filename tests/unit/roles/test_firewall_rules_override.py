@@ -5,7 +5,7 @@ silently ignored. Here the real site.yml runs (`--tags firewall --check --diff`,
 on a two-node inventory of this machine (connection local, 127.0.0.1-2) whose group_vars replace
 two lists, and the rules the firewall role works with are read from its output: the ufw tasks' item
 labels where ufw is installed, the list it prints in check mode where it is not yet. The same on the
-provisioned test bed: tests/test_firewall_rules_override_testbed.py.
+provisioned test bed: tests/testbed/test_firewall_rules_override_testbed.py.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ class DeepSpeedEngine(Engine):
 
     def _mend_zero3_universal_load(self, universal: Path) -> None:
         """Two slips of ZeRO-3's universal load (DeepSpeed 0.19), found by comparing a resumed run with
-        an uninterrupted one (tests/test_ds_resize.py):
+        an uninterrupted one (tests/local/test_ds_resize.py):
         - every parameter group gets the first group's saved settings: the biases and norms would get
           the matrices' weight decay. Each group gets its own back, from the same file DeepSpeed read
           (written by this run's conversion and checked: trusted like the checkpoint);

@@ -7,7 +7,7 @@ DeepSpeed's answer is its universal checkpoint: `deepspeed.checkpoint.ds_to_univ
 shards into one file per parameter and state (`zero/<name>/fp32.pt`, `exp_avg.pt`, `exp_avg_sq.pt`,
 `step.pt`), and `load_checkpoint` with the config's `checkpoint.load_universal` on cuts them again for
 any number of processes. Weights, Adam's moments and step counts, the parameter groups and the LR
-scheduler come back as saved, for every ZeRO stage (tests/test_ds_resize.py compares them, gathered
+scheduler come back as saved, for every ZeRO stage (tests/local/test_ds_resize.py compares them, gathered
 to full tensors, before the save and after the load).
 
 When it happens (`prepare`, every rank, inside DeepSpeedEngine.load, before DeepSpeed loads): the
