@@ -613,6 +613,12 @@ def up(n: int, root: Path, **settings: Any) -> Cluster:
     if problem:
         raise SetupError(problem)
     root = Path(root).resolve()
+    for directory in root.parents:
+        if directory.exists() and not directory.stat().st_mode & 0o001:
+            raise SetupError(
+                f"{directory} is closed to other users (mode {directory.stat().st_mode & 0o777:o}), and the "
+                f"training user must reach {root}; fix: put DIR elsewhere or chmod o+x {directory}"
+            )
     previous = _previous(root)
     if previous is not None:
         _release(previous)
