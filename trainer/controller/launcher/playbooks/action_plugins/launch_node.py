@@ -13,7 +13,8 @@ machine), no file is copied first, and no secret is on a command line. Each call
 mount) or whose SSH stalls cannot hang the launcher.
 
 `watch` follows the node until its trainer ends: a long poll (the node answers when there are new
-lines, or after `poll_s`), one poll per `poll_s` on average with a burst of BURST_POLLS back to back
+lines, or after `quiet_s`, `poll_s` unless given; with the request's `quiet`, a worker's, only its
+trainer's end cuts the wait short), one poll per `poll_s` on average with a burst of BURST_POLLS back to back
 (the few bursts of a start-up, the first step among them, are each shown at once rather than at the
 next interval), each answer sent at once to the launcher through `channel` (a Unix
 socket of trainer.controller.runner, one JSON line per message) instead of an Ansible event: a watch
@@ -119,6 +120,7 @@ class ActionModule(ActionBase):
             "request",
             "timeout_s",
             "poll_s",
+            "quiet_s",
             "channel",
             "give_up_s",
             "iface",
@@ -282,6 +284,9 @@ class ActionModule(ActionBase):
 
     def _watch(self, args: dict, request: dict) -> dict:
         poll_s = max(0.05, float(args.get("poll_s") or 2.0))
+        # How long a poll waits on the node when nothing happens there (a round trip per poll is the
+        # controller's cost of following a node; news cuts the wait short).
+        quiet_s = max(poll_s, float(args.get("quiet_s") or poll_s))
         timeout_s = float(args.get("timeout_s") or 20.0)
         give_up_s = float(args.get("give_up_s") or 0)
         host = self._hostname
@@ -304,7 +309,7 @@ class ActionModule(ActionBase):
                     credit, credit_at = 1.0, time.monotonic()
                 credit -= 1.0
                 poll_started = time.time()
-                wait = poll_s if offset is not None else 0.0
+                wait = quiet_s if offset is not None else 0.0
                 try:
                     report = self._call(
                         args["python"],

@@ -18,7 +18,8 @@ copied first (one round trip per step, and no secret on a command line):
   (its own session and process group); with `reuse` (a restart by `trainer attach`), the run.sh,
   secret variables and run files already there are started as they are;
 - status: state, exit record, the log's lines after the caller's offset (a long poll: it answers as
-  soon as there is something new, or after `wait` seconds), each rank's progress;
+  soon as there is something new, or after `wait` seconds; with `quiet`, only the trainer's end
+  cuts it short), each rank's progress;
 - stop: the stacks of the trainer's ranks when asked (a stall), then TERM to run.sh's process group
   and KILL to whatever is left after the grace period.
 
@@ -160,6 +161,22 @@ def read_log(node_dir: Path, offset: int | None, tail: int = 0) -> tuple[list[st
     return chunk[:end].decode("utf-8", "replace").splitlines(), offset + end
 
 
+def _skip_to_last_chunk(node_dir: Path, offset: int) -> int:
+    """`offset`, or where the last MAX_CHUNK bytes of the log begin after a line's end when more is
+    unread (the lines in between are left in the node's log)."""
+    size = _log_size(node_dir)
+    if size - offset <= MAX_CHUNK:
+        return offset
+    start = size - MAX_CHUNK
+    try:
+        with open(node_dir / "log", "rb") as log:
+            log.seek(start)
+            cut = log.read(MAX_CHUNK).find(b"\n")
+    except OSError:
+        return offset
+    return start + cut + 1 if cut >= 0 else offset
+
+
 def progress(node_dir: Path) -> list[dict]:
     """Each rank's progress record (trainer.node.progress), by rank."""
     found = []
@@ -231,14 +248,21 @@ def rank_errors(node_dir: Path) -> list[dict]:
     return found
 
 
-def status(node_dir: Path, offset: int | None = None, tail: int = 0, wait: float = 0.0) -> dict:
+def status(
+    node_dir: Path, offset: int | None = None, tail: int = 0, wait: float = 0.0, quiet: bool = False
+) -> dict:
     """The node's report. With an offset and `wait`, a long poll: it returns as soon as the log grew
-    or the trainer ended, at the latest after `wait` seconds."""
+    or the trainer ended, at the latest after `wait` seconds. `quiet`: a node whose lines nobody
+    watches live (a worker; the launcher shows rank 0's): only its trainer's end cuts the wait short,
+    and of a backlog longer than a chunk only the last chunk is read (its last lines are what a
+    failure report shows), so following it costs one round trip per `wait`."""
     deadline = time.monotonic() + wait
+    if quiet and offset is not None:
+        offset = _skip_to_last_chunk(node_dir, offset)
     if offset is not None and wait > 0:
         pid = _pid(node_dir)
         while time.monotonic() < deadline:
-            if _log_size(node_dir) != offset or (node_dir / "exit").exists():
+            if (not quiet and _log_size(node_dir) != offset) or (node_dir / "exit").exists():
                 time.sleep(LINGER_S)
                 break
             if pid is not None and not _alive(pid):
@@ -858,6 +882,7 @@ def serve(request: dict) -> int:
                 request.get("offset"),
                 int(request.get("tail") or 0),
                 float(request.get("wait") or 0.0),
+                bool(request.get("quiet")),
             )
         elif op == "stop":
             node_dir = Path(request["node_dir"])
