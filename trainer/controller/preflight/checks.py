@@ -25,6 +25,7 @@ from trainer.controller.preflight import (
     nfs,
     nodes,
     probe,
+    schedule,
     space,
     ssh,
     storage,
@@ -76,9 +77,24 @@ class Check:
 
 
 def _ssh(found: Found) -> list[Result]:
-    user = str(found.cluster.head.get("cluster_training_user", "?"))
-    names = [h.name for h in found.cluster.hosts]
-    return ssh.evaluate(names, user, found.output(probe.SSH), found.missing(probe.SSH))
+    cluster = found.cluster
+    user = str(cluster.head.get("cluster_training_user", "?"))
+    names = [h.name for h in cluster.hosts]
+    addresses = {h.name: h.address for h in cluster.hosts}
+    full = bool(getattr(found.args, "full_matrix", False))
+    results, found.report.ssh = ssh.evaluate(
+        names, addresses, user, found.output(probe.SSH), found.missing(probe.SSH), full
+    )
+    if len(names) > 1:
+        numbers = found.report.ssh
+        print(
+            f"ssh: {numbers['logins']} login(s) ({numbers['mode']}: "
+            f"{len(schedule.login_offsets(len(names), full))} round(s)), every pair's keys read from both "
+            f"ends; at most {numbers['logins_per_sshd']} login(s) per sshd, "
+            f"{len(numbers['retried'])} retried",
+            flush=True,
+        )
+    return results
 
 
 def _master_port(found: Found) -> list[Result]:
@@ -142,14 +158,19 @@ def _bandwidth_verdicts(found: Found) -> list[Result]:
     if cluster.is_single_host:
         return [Result(bandwidth.CHECK, cluster.head.name, SKIP, "skipped: one node")]
     names = [h.name for h in cluster.hosts]
-    rounds = probe.iperf_rounds(cluster)
+    rounds = probe.iperf_rounds(cluster, bool(getattr(found.args, "full_matrix", False)))
     servers = found.output(probe.IPERF_SERVER)
     measured = bandwidth.measure(rounds, found.probes.iperf, servers, found.missing(probe.IPERF_CLIENT))
     again, measured_again = _measure_again(found, measured, rounds)
     results, found.report.bandwidth = bandwidth.evaluate(
         names, rounds, measured.better_of(measured_again), found.bandwidth_threshold_gbit, again
     )
-    print(f"bandwidth: {len(rounds)} parallel round(s) for {len(names)} nodes", flush=True)
+    pairs = sum(len(r["pairs"]) for r in rounds)
+    print(
+        f"bandwidth: {len(rounds)} parallel round(s) for {len(names)} nodes, {pairs} of "
+        f"{len(names) * (len(names) - 1) // 2} pairs (--full-matrix: every pair)",
+        flush=True,
+    )
     print(bandwidth.format_matrix(names, found.report.bandwidth["matrix"]), flush=True)
     return results
 
@@ -186,7 +207,7 @@ REGISTRY: tuple[Check, ...] = (
     ),
     Check(
         "ssh",
-        looks_at="SSH in BatchMode between every pair of nodes as the training user",
+        looks_at="SSH trust between every pair of nodes as the training user: keys, then sampled logins",
         reads=(probe.SSH,),
         judge=_ssh,
     ),
@@ -270,7 +291,7 @@ REGISTRY: tuple[Check, ...] = (
     ),
     Check(
         "bandwidth",
-        looks_at="iperf3 between every pair of nodes",
+        looks_at="iperf3 between nodes in O(log N) parallel rounds (every pair with --full-matrix)",
         reads=(probe.IPERF_SERVER, probe.IPERF_CLIENT),
         judge=_bandwidth,
         prints_own_lines=True,

@@ -80,6 +80,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--iperf-seconds", type=int, default=3, help="length of each iperf3 test (default 3)")
     parser.add_argument(
+        "--full-matrix",
+        action="store_true",
+        help="log in over SSH between every pair of nodes and measure iperf3 between every pair (N-1 "
+        "rounds each), instead of the fast pass's O(log N) rounds of sampled peers; every pair's keys "
+        "are read either way",
+    )
+    parser.add_argument(
         "--io-timeout",
         type=_positive,
         default=10.0,
@@ -342,6 +349,7 @@ def _probe_results(cluster, checks: list[str], args, report: Report, token: str,
         model_dir=model_dir,
         io_timeout_s=args.io_timeout,
         facts=reading(probe.NODE_FACTS, checks),
+        full=args.full_matrix,
     )
     if probes.status == "timeout":
         print(

@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from trainer.controller.inventory import Cluster
-from trainer.controller.preflight import nfs
-from trainer.controller.preflight.bandwidth import bandwidth_ports, parse_port_range, round_robin
+from trainer.controller.preflight import nfs, schedule
+from trainer.controller.preflight.bandwidth import bandwidth_ports, parse_port_range
 
 PLAYBOOK = Path(__file__).parent / "playbooks" / "preflight.yml"
 CLEANUP_PLAYBOOK = Path(__file__).parent / "playbooks" / "cleanup.yml"
 #: Every process a probe starts on a node carries this variable (=the run's token), so a stopped
 #: preflight finds and ends what it left (cleanup.yml).
 MARKER = "CLUSTERTRAIN_PREFLIGHT"
-#: As the launcher runs Ansible: one fork per host (set per run), fewer round trips per task.
+#: As the launcher runs Ansible: pipelining, fewer round trips per task; forks per run (forks()).
 ANSIBLE_ENV = {"ANSIBLE_PIPELINING": "True", "ANSIBLE_NOCOLOR": "True"}
 #: Task names in preflight.yml whose stdout is JSON.
 NODE_FACTS = "Preflight | node facts"
@@ -55,13 +55,24 @@ class Probes:
         return self.errors.get(probe, {}).get(host) or f"the probe did not run on {host}"
 
 
-def iperf_rounds(cluster: Cluster) -> list[dict[str, Any]]:
-    """The round-robin schedule as the playbook takes it; the server port is from the comm range."""
+def forks(cluster: Cluster) -> int:
+    """Ansible forks for a probe run: one per host, within what this machine holds (forks.py, the
+    one place the limits are derived). Past the limit Ansible takes the nodes in batches, task by
+    task, which the probes allow: no task waits on another host of the same task (an iperf3 client
+    waits on a server started by the task before)."""
+    from trainer.controller.forks import forks_for
+
+    return forks_for(len(cluster.hosts))
+
+
+def iperf_rounds(cluster: Cluster, full: bool = False) -> list[dict[str, Any]]:
+    """The bandwidth rounds as the playbook takes them (schedule.bandwidth_rounds: O(log N) rounds,
+    every pair with `full`); the server port is from the comm range."""
     head = cluster.head
     port = bandwidth_ports(
         str(head.get("cluster_comm_port_range", "29400:29999")), int(head.get("cluster_master_port", 29500))
     )[0]
-    rounds = round_robin([h.name for h in cluster.hosts])
+    rounds = schedule.bandwidth_rounds([h.name for h in cluster.hosts], full)
     return [
         {"index": i, "pairs": [{"client": a, "server": b, "port": port} for a, b in pairs]}
         for i, pairs in enumerate(rounds, start=1)
@@ -121,10 +132,11 @@ def extravars(
     io_timeout_s: float = 10.0,
     rounds: list[dict[str, Any]] | None = None,
     facts: bool = False,
+    full: bool = False,
 ) -> dict[str, Any]:
-    """The probe playbook's variables; `rounds` replaces the bandwidth check's full round robin (a
+    """The probe playbook's variables; `rounds` replaces the bandwidth check's schedule (a
     re-measure of some pairs); `facts`: a check among `checks` reads node_facts.py's output
-    (checks.reading)."""
+    (checks.reading); `full`: every pair logs in and is measured (--full-matrix)."""
     head = cluster.head
     comm_range = str(head.get("cluster_comm_port_range", "29400:29999"))
     parse_port_range(comm_range)  # a clear error before anything runs
@@ -141,15 +153,27 @@ def extravars(
         "preflight_facts": facts,
         "preflight_requests": node_requests(cluster, checks, token, model_dir, io_timeout_s),
         "preflight_io_timeout_s": io_timeout_s,
-        "preflight_iperf_rounds": (rounds or iperf_rounds(cluster)) if "bandwidth" in checks else [],
+        "preflight_iperf_rounds": (rounds or iperf_rounds(cluster, full)) if "bandwidth" in checks else [],
         "preflight_iperf_seconds": iperf_seconds,
+        "preflight_ssh_logins": ssh_logins(cluster, full) if "ssh" in checks and rounds is None else {},
     }
 
 
-def time_limit_s(cluster: Cluster, checks: list[str], iperf_seconds: int, io_timeout_s: float) -> float:
+def ssh_logins(cluster: Cluster, full: bool = False) -> dict[str, list[list[str]]]:
+    """name -> [[peer, address], ...] it logs in to, in round order (schedule.login_order)."""
+    addresses = {h.name: h.address for h in cluster.hosts}
+    order = schedule.login_order([h.name for h in cluster.hosts], full)
+    return {name: [[peer, addresses[peer]] for peer in peers] for name, peers in order.items()}
+
+
+def time_limit_s(
+    cluster: Cluster, checks: list[str], iperf_seconds: int, io_timeout_s: float, full: bool = False
+) -> float:
     """The whole probe playbook's bound: every task has its own timeout, this is the backstop."""
-    rounds = len(round_robin([h.name for h in cluster.hosts])) if "bandwidth" in checks else 0
-    return 300 + 4 * io_timeout_s + rounds * (iperf_seconds + 90)
+    names = [h.name for h in cluster.hosts]
+    rounds = len(schedule.bandwidth_rounds(names, full)) if "bandwidth" in checks else 0
+    logins = len(schedule.login_offsets(len(names), full)) if "ssh" in checks else 0
+    return 300 + 4 * io_timeout_s + rounds * (iperf_seconds + 90) + 20 * logins
 
 
 def run_probes(
@@ -162,17 +186,18 @@ def run_probes(
     io_timeout_s: float = 10.0,
     rounds: list[dict[str, Any]] | None = None,
     facts: bool = False,
+    full: bool = False,
 ) -> Probes:
     from trainer.controller.runner import run_playbook  # imported here: ansible-runner is heavy
 
-    variables = extravars(cluster, checks, iperf_seconds, token, model_dir, io_timeout_s, rounds, facts)
+    variables = extravars(cluster, checks, iperf_seconds, token, model_dir, io_timeout_s, rounds, facts, full)
     result = run_playbook(
         PLAYBOOK,
         cluster.inventory,
         extravars=variables,
         on_event=on_event,
-        timeout_s=time_limit_s(cluster, checks, iperf_seconds, io_timeout_s),
-        env=ANSIBLE_ENV | {"ANSIBLE_FORKS": str(max(5, len(cluster.hosts)))},
+        timeout_s=time_limit_s(cluster, checks, iperf_seconds, io_timeout_s, full),
+        env=ANSIBLE_ENV | {"ANSIBLE_FORKS": str(forks(cluster))},
     )
     probes = Probes(playbook_output=result.output, status=result.status)
     for host, items in result.unreachable.items():
@@ -220,7 +245,7 @@ def cleanup(cluster: Cluster, token: str, locks_newer_than: float | None = None)
             "preflight_locks_newer_than": locks_newer_than if locks_newer_than is not None else "",
         },
         timeout_s=180,
-        env=ANSIBLE_ENV | {"ANSIBLE_FORKS": str(max(5, len(cluster.hosts)))},
+        env=ANSIBLE_ENV | {"ANSIBLE_FORKS": str(forks(cluster))},
     )
     done = []
     for item in result.results:

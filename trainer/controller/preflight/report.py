@@ -44,6 +44,8 @@ class Report:
     results: list[Result] = field(default_factory=list)
     #: The bandwidth matrix (Gbit/s), rows = sender, columns = receiver; None when not measured.
     bandwidth: dict[str, Any] | None = None
+    #: What the SSH check did: mode (sampled or full), logins, tries, retried pairs, most logins per sshd.
+    ssh: dict[str, Any] | None = None
     duration_s: float = 0.0
     #: Wall time of the probe pass (topology and the probe playbook), before the DeepSpeed job.
     probe_duration_s: float = 0.0
@@ -75,6 +77,7 @@ class Report:
             "summary": self.summary(),
             "results": [asdict(r) for r in self.results],
             "bandwidth": self.bandwidth,
+            "ssh": self.ssh,
         }
 
     def write(self, path: Path) -> None:
