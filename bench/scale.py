@@ -85,6 +85,7 @@ class Measured:
     node_cpu_s: float
     rc: int
     masters_left: int = 0
+    connections_left: int = 0
     output: str = field(default="", repr=False)
 
 
@@ -176,6 +177,21 @@ def is_master(pid: int) -> bool:
     return title.startswith("ssh: ") and title.endswith("[mux]")
 
 
+def ssh_connections_to(cluster: Any) -> list[str]:
+    """This machine's established TCP connections to port 22 of the cluster's nodes (/proc/net/tcp):
+    what an SSH master left behind holds, found without the cgroup."""
+    wanted = {
+        "".join(f"{int(part):02X}" for part in reversed(a.split("."))) for a in cluster.addresses.values()
+    }
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        remote, state = line.split()[2:4]
+        address, port = remote.split(":")
+        if state == "01" and int(port, 16) == 22 and address in wanted:  # 01: ESTABLISHED
+            found.append(remote)
+    return found
+
+
 class Command:
     """One controller command, started now, measured until it ends (`finish`)."""
 
@@ -235,9 +251,11 @@ class Command:
         cpu = self.cpu_s() if self.group.path is not None else usage.ru_utime + usage.ru_stime
         node_cpu = self.cluster.node_cpu_s() - self.node_cpu_before
         masters = sum(1 for pid in self.group.pids() if is_master(pid))
+        connections = len(ssh_connections_to(self.cluster))
         self.group.remove()
+        output = "".join(self.lines)
         return Measured(
-            wall, cpu, self.peak_mib, node_cpu, self.proc.returncode, masters, "".join(self.lines)
+            wall, cpu, self.peak_mib, node_cpu, self.proc.returncode, masters, connections, output
         )
 
     def exited(self) -> bool:
@@ -428,6 +446,7 @@ TABLES = {
             ("ctl peak MiB", "peak_rss_mib", "{:.0f}"),
             ("node CPU s", "node_cpu_s", "{:.1f}"),
             ("masters left", "masters_left", "{:.0f}"),
+            ("ssh conns left", "connections_left", "{:.0f}"),
         ],
     ),
     "follow": (
@@ -511,6 +530,9 @@ def table(results: list[dict], fitted: dict) -> str:
 
 
 def commit() -> str:
+    """What is measured: HEAD, and whether trainer/ differs from it; or the --checkout's path."""
+    if CHECKOUT != REPO:
+        return f"checkout {CHECKOUT}"
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "trainer"], cwd=REPO, capture_output=True, text=True
