@@ -160,7 +160,7 @@ def _bandwidth_verdicts(found: Found) -> list[Result]:
     names = [h.name for h in cluster.hosts]
     rounds = probe.iperf_rounds(cluster, bool(getattr(found.args, "full_matrix", False)))
     servers = found.output(probe.IPERF_SERVER)
-    measured = bandwidth.measure(rounds, found.probes.iperf, servers, found.missing(probe.IPERF_CLIENT))
+    measured = bandwidth.measure(rounds, found.probes.iperf, servers, found.missing(probe.IPERF_TEST))
     again, measured_again = _measure_again(found, measured, rounds)
     results, found.report.bandwidth = bandwidth.evaluate(
         names, rounds, measured.better_of(measured_again), found.bandwidth_threshold_gbit, again
@@ -193,7 +193,7 @@ def _measure_again(found: Found, measured, rounds: list[dict]):
     )
     servers = probes.outputs.get(probe.IPERF_SERVER, {})
     return again, bandwidth.measure(
-        again, probes.iperf, servers, lambda host: probes.why_missing(probe.IPERF_CLIENT, host)
+        again, probes.iperf, servers, lambda host: probes.why_missing(probe.IPERF_TEST, host)
     )
 
 
@@ -292,7 +292,7 @@ REGISTRY: tuple[Check, ...] = (
     Check(
         "bandwidth",
         looks_at="iperf3 between nodes in O(log N) parallel rounds (every pair with --full-matrix)",
-        reads=(probe.IPERF_SERVER, probe.IPERF_CLIENT),
+        reads=(probe.IPERF_TEST,),
         judge=_bandwidth,
         prints_own_lines=True,
     ),

@@ -27,8 +27,10 @@ SSH = "Preflight | ssh to peers"
 LISTENER = "Preflight | head listener"
 CLIENT = "Preflight | head client"
 SHARED_VERIFY = "Preflight | shared dir verify"
-IPERF_SERVER = "Preflight | iperf3 server"
-IPERF_CLIENT = "Preflight | iperf3 client"
+#: One task per round: the servers start and the clients measure (tasks/iperf_round.yml); what it
+#: printed is kept by role, the servers' as IPERF_SERVER (host#round), the clients' in Probes.iperf.
+IPERF_TEST = "Preflight | iperf3 test"
+IPERF_SERVER = "iperf3 server"
 
 
 @dataclass
@@ -221,9 +223,9 @@ def run_probes(
         except ValueError:
             probes.errors.setdefault(item.task, {})[item.host] = f"unreadable probe output: {stdout[-300:]}"
             continue
-        if item.task == IPERF_CLIENT:
+        if item.task == IPERF_TEST and parsed.get("role") == "client":
             probes.iperf.append({"client": item.host, **parsed})
-        elif item.task == IPERF_SERVER:
+        elif item.task == IPERF_TEST:
             probes.outputs.setdefault(IPERF_SERVER, {})[f"{item.host}#{parsed.get('round')}"] = parsed
         else:
             probes.outputs.setdefault(item.task, {})[item.host] = parsed

@@ -7,7 +7,7 @@ after one test. It prints its pid and start time, which the playbook hands to `s
 kills that process only if it still is that server (same start time, iperf3, this account's): no
 pidfile, so nothing another account can plant in a shared temp dir decides what gets signalled,
 and nodes that share /tmp do not collide. client: `iperf3 -c --bidir -J`, retried briefly in case
-the server is still starting. Prints JSON; never fails.
+the server is still starting (it starts in the same task). Prints JSON; never fails.
 """
 
 import argparse
@@ -91,15 +91,19 @@ def client(args):
         "--connect-timeout",
         "3000",
     ]
-    for attempt in range(5):
+    # The server starts in the same task as this client (one task per round): try to connect until
+    # it has had its time to listen.
+    deadline = time.monotonic() + LISTEN_WITHIN_S + 5
+    while True:
         rc, out, err = run(command, args.seconds + 30)
         try:
             result = json.loads(out) if out.strip() else {"error": err.strip() or f"iperf3 exited {rc}"}
         except ValueError:
             result = {"error": (err or out).strip()[-400:]}
-        if rc == 127 or "unable to connect" not in str(result.get("error", "")) or attempt == 4:
+        refused = "unable to connect" in str(result.get("error", ""))
+        if rc == 127 or not refused or time.monotonic() > deadline:
             break
-        time.sleep(1)
+        time.sleep(0.5)
     end = result.get("end", {})
     # Keep only the summary: the per-interval data would bloat the event stream.
     keep = {k: end[k] for k in ("sum_received", "sum_received_bidir_reverse", "sum_sent") if k in end}
