@@ -21,8 +21,8 @@ controller CPU is that cgroup's usage (without cgroup v2: the child's wait4 rusa
 the detached masters). Peak memory is the largest sum of their resident sets, sampled every 0.2 s.
 Node CPU is every process of every node (netns_nodes' cgroup). The controller and all the nodes
 share this machine's cores: read the CPU columns as the work, not the wall as what a real cluster
-would see. For status and stop the nodes' CPU is net of the following launcher's rate measured in
-the window before (its polls go on meanwhile).
+would see. Status and stop are measured on the running job once its launcher is ended (as after a launcher
+that died), so the following polls' CPU is not mixed into theirs.
 
 Needs root (namespaces, sshd, a throwaway user); without it, says so and exits 0. Results as JSON
 with --json FILE.
@@ -36,6 +36,7 @@ import datetime
 import importlib.util
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -59,6 +60,9 @@ PARTS = ("launch", "follow", "status", "stop", "preflight", "first_step")
 COMMAND_TIMEOUT_S = 1800.0
 #: The bundled trainer to its first step only this small (it trains on these 2 cores).
 FIRST_STEP_MAX_NODES = 4
+#: The running job's command; `trainer stop` ends it long before.
+SLEEP_S = "3600"
+SLEEP_COMMAND = f"sleep\0{SLEEP_S}\0".encode()
 #: A failed check in preflight's JSON report (trainer.controller.preflight.report.FAIL).
 FAIL = "fail"
 
@@ -306,7 +310,7 @@ def measure_running_job(cluster: Any, tag: str, args: argparse.Namespace, result
     """`launch -- sleep` followed for a window, then status and stop on it while it is followed."""
     run = f"{tag}-sleep"
     launch = Command(
-        trainer("launch", "-i", str(cluster.inventory), "--run-name", run, "--", "sleep", "3600"),
+        trainer("launch", "-i", str(cluster.inventory), "--run-name", run, "--", "sleep", SLEEP_S),
         cluster,
         f"ctsim-bench-{os.getpid()}-follow",
     )
@@ -332,6 +336,11 @@ def measure_running_job(cluster: Any, tag: str, args: argparse.Namespace, result
             "node_core_pct": 100 * follow_node_rate,
             "peak_rss_mib": launch.peak_mib,
         }
+    # The launcher is ended here (it, its ansible-playbook and its SSH masters: its cgroup) and the job
+    # keeps running on the nodes, as after a launcher that died: status and stop are then measured
+    # alone, without the following polls' CPU on the nodes mixed into theirs.
+    launch.group.kill()
+    launch.finish(timeout=60)
     inventory = str(cluster.inventory)
     if "status" not in args.skip:
         status = Command(
@@ -339,23 +348,34 @@ def measure_running_job(cluster: Any, tag: str, args: argparse.Namespace, result
             cluster,
             f"ctsim-bench-{os.getpid()}-status",
         )
-        result["status"] = _net_of_following(
-            must_succeed("trainer status", status.finish()), follow_node_rate
-        )
+        result["status"] = _row(must_succeed("trainer status", status.finish()))
     stop = Command(
         trainer("stop", "-i", inventory, "--run-name", run), cluster, f"ctsim-bench-{os.getpid()}-stop"
     )
     stopped = must_succeed("trainer stop", stop.finish())
     if "stop" not in args.skip:
-        result["stop"] = _net_of_following(stopped, follow_node_rate)
-    ended = launch.finish(timeout=120)
-    result["sleep_launch_rc"] = ended.rc
+        result["stop"] = _row(stopped)
+    deadline = time.monotonic() + 15
+    while (left := _sleeping(cluster)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        raise SystemExit(f"trainer stop left {len(left)} node command(s) running:\n{stopped.output[-2000:]}")
 
 
-def _net_of_following(measured: Measured, node_rate: float) -> dict:
+def _sleeping(cluster: Any) -> list[int]:
+    """The pids of the job's `sleep` commands still running on the nodes (as the training user)."""
+    uid = pwd.getpwnam(cluster.user).pw_uid
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if entry.stat().st_uid == uid and (entry / "cmdline").read_bytes() == SLEEP_COMMAND:
+                found.append(int(entry.name))
+    return found
+
+
+def _row(measured: Measured) -> dict:
     row = asdict(measured)
     row.pop("output")
-    row["node_cpu_s"] = max(0.0, measured.node_cpu_s - node_rate * measured.wall_s)
     return row
 
 
@@ -602,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/scale.py: skipped: no ansible-playbook (make install-dev)")
         return 0
     measured_at = commit()
+    load_at_start = os.getloadavg()
     counts = ", ".join(map(str, args.nodes))
     print(f"scale: N = {counts} simulated nodes, commit {measured_at}, {os.cpu_count()} cores")
     results = []
@@ -612,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   ({time.monotonic() - started:.0f} s)", flush=True)
     fitted = slopes(results)
     print(table(results, fitted))
+    print(f"\nload average (1, 5, 15 min): at the start {load_at_start}, at the end {os.getloadavg()}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
@@ -620,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
                     "commit": measured_at,
                     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                     "cores": os.cpu_count(),
+                    "load_average_at_start_and_end": [load_at_start, os.getloadavg()],
                     "command": " ".join(["bench/scale.py", *(sys.argv[1:] if argv is None else argv)]),
                     "results": results,
                     "per_added_node": fitted,
