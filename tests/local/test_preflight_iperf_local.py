@@ -168,9 +168,28 @@ def helper(*args: str) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+#: Tries of the planted-pidfile test: the planter races the run (it must see the token and write the
+#: file before the step it beats starts), and on a loaded machine it can lose; a lost race is tried
+#: again with a fresh run, never counted as a pass.
+PLANT_TRIES = 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("when", "planted"), [("early", "pid"), ("late", "-pgid")])
 def test_a_pidfile_planted_by_another_account_gets_no_process_killed(tmp_path, attacker, when, planted):
+    lost = []
+    for attempt in range(PLANT_TRIES):
+        complaint = plant_and_check(tmp_path / f"try{attempt}", attacker, when, planted)
+        if complaint is None:
+            return
+        lost.append(complaint)
+    pytest.fail(f"the planter came too late in all {PLANT_TRIES} tries: {lost}")
+
+
+def plant_and_check(tmp_path: Path, attacker: str, when: str, planted: str) -> str | None:
+    """One run with the other account planting; None when the attack happened and failed, the
+    planter's complaint when it came too late (the run proved nothing)."""
+    tmp_path.mkdir()
     # The victim is root's, so the other account cannot signal it itself; a session of its own makes
     # its process group its pid, the `-<pgid>` form of the attack.
     victim = subprocess.Popen(["sleep", "600"], start_new_session=True)
@@ -186,6 +205,8 @@ def test_a_pidfile_planted_by_another_account_gets_no_process_killed(tmp_path, a
     try:
         out = preflight_bandwidth(tmp_path, port, report_path)
         said, complaint = planter.communicate(timeout=30)
+        if planter.returncode != 0 and "too late" in complaint:
+            return complaint.strip()
         planted_path, _, owner = said.strip().partition(" ")
         # The attack happened as in the issue: the other account read the token and planted the file.
         assert planter.returncode == 0 and planted_path, complaint
@@ -197,6 +218,7 @@ def test_a_pidfile_planted_by_another_account_gets_no_process_killed(tmp_path, a
         assert [r["status"] for r in bandwidth] == ["pass"], bandwidth
         assert "Gbit/s ->" in bandwidth[0]["detail"] and "Gbit/s <-" in bandwidth[0]["detail"]
         assert iperf3_servers(port + 20) == []
+        return None
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(planter.pid, signal.SIGKILL)
