@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -189,3 +190,41 @@ def test_content_names_a_changed_host_key_and_a_from_pattern_that_leaves_a_node_
 def test_a_dropped_connection_is_named_as_such_not_as_a_firewall():
     detail, fix = ssh.diagnose("a", "b", "10.0.0.2", "t", "Connection closed by 10.0.0.2 port 22")
     assert "dropped" in detail and "MaxStartups" in fix and "ufw" not in fix
+
+
+@pytest.mark.parametrize(
+    ("count", "comm_range"), [(8, "29400:29999"), (9, "29400:29999"), (32, "29498:29501")]
+)
+def test_each_node_gets_its_rounds_in_order_one_step_per_round_each_round_its_own_port(count, comm_range):
+    # The nodes go through the rounds without a clock (iperf_pair.py rounds): a node's steps must be in
+    # round order, one per round, its partner's step the mirror of its own, and a round's port not the
+    # one of the rounds next to it (a client running ahead would take another round's server).
+    from pathlib import Path
+
+    from trainer.controller.inventory import Cluster, Host
+    from trainer.controller.preflight import probe
+
+    names = _names(count)
+    ports = {"cluster_comm_port_range": comm_range, "cluster_master_port": 29500}
+    hosts = {name: {"cluster_ip": f"10.0.0.{i + 1}", **ports} for i, name in enumerate(names)}
+    made = [Host(name, hosts[name]) for name in names]
+    cluster = Cluster(Path("inv"), made[0], tuple(made[1:]))
+    rounds = probe.iperf_rounds(cluster)
+    plan = probe.iperf_plan(cluster, rounds)
+    assert sum(len(steps) for steps in plan.values()) == 2 * sum(len(r["pairs"]) for r in rounds)
+    for name, steps in plan.items():
+        order = [s["round"] for s in steps]
+        assert order == sorted(set(order)), f"{name}: {order}"
+        for step in steps:
+            (pair,) = [p for p in rounds[step["round"] - 1]["pairs"] if name in (p["client"], p["server"])]
+            assert step["port"] == pair["port"] != 29500
+            if step["role"] == "client":
+                assert (step["peer_name"], step["peer"]) == (
+                    pair["server"],
+                    hosts[pair["server"]]["cluster_ip"],
+                )
+            else:
+                assert step["bind"] == hosts[name]["cluster_ip"] == hosts[pair["server"]]["cluster_ip"]
+    ports = [r["pairs"][0]["port"] for r in rounds]
+    assert all(a != b for a, b in itertools.pairwise(ports))
+    assert len(set(ports)) == min(len(rounds), 3 if comm_range == "29498:29501" else len(rounds))

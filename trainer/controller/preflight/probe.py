@@ -27,8 +27,8 @@ SSH = "Preflight | ssh to peers"
 LISTENER = "Preflight | head listener"
 CLIENT = "Preflight | head client"
 SHARED_VERIFY = "Preflight | shared dir verify"
-#: One task per round: the servers start and the clients measure (tasks/iperf_round.yml); what it
-#: printed is kept by role, the servers' as IPERF_SERVER (host#round), the clients' in Probes.iperf.
+#: One task per node for every round (iperf_pair.py rounds); what it printed is kept by role, the
+#: servers' as IPERF_SERVER (host#round), the clients' in Probes.iperf.
 IPERF_TEST = "Preflight | iperf3 test"
 IPERF_SERVER = "iperf3 server"
 
@@ -69,16 +69,41 @@ def forks(cluster: Cluster) -> int:
 
 def iperf_rounds(cluster: Cluster, full: bool = False) -> list[dict[str, Any]]:
     """The bandwidth rounds as the playbook takes them (schedule.bandwidth_rounds: O(log N) rounds,
-    every pair with `full`); the server port is from the comm range."""
-    head = cluster.head
-    port = bandwidth_ports(
-        str(head.get("cluster_comm_port_range", "29400:29999")), int(head.get("cluster_master_port", 29500))
-    )[0]
+    every pair with `full`); each round's server port its own from the top of the comm range (taken
+    in turn when the range holds fewer), as the nodes go through the rounds without a clock."""
     rounds = schedule.bandwidth_rounds([h.name for h in cluster.hosts], full)
-    return [
-        {"index": i, "pairs": [{"client": a, "server": b, "port": port} for a, b in pairs]}
-        for i, pairs in enumerate(rounds, start=1)
-    ]
+    return with_ports(cluster, [{"index": i, "pairs": pairs} for i, pairs in enumerate(rounds, start=1)])
+
+
+def with_ports(cluster: Cluster, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """rounds ({index, pairs: [(client, server)] or [{client, server}]}) with each pair's port."""
+    head = cluster.head
+    comm_range = str(head.get("cluster_comm_port_range", "29400:29999"))
+    master = int(head.get("cluster_master_port", 29500))
+    low, high = parse_port_range(comm_range)
+    room = high - low + 1 - (low <= master <= high)
+    ports = bandwidth_ports(comm_range, master, max(1, min(len(rounds), room)))
+    placed = []
+    for scheduled in rounds:
+        port = ports[(scheduled["index"] - 1) % len(ports)]
+        pairs = [p if isinstance(p, dict) else {"client": p[0], "server": p[1]} for p in scheduled["pairs"]]
+        placed.append({"index": scheduled["index"], "pairs": [{**p, "port": port} for p in pairs]})
+    return placed
+
+
+def iperf_plan(cluster: Cluster, rounds: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """name -> its iperf3 steps in round order, as iperf_pair.py rounds takes them: serve (bind to
+    its own address) or measure (its server's address); a node with no test in a round has no step."""
+    addresses = {h.name: h.address for h in cluster.hosts}
+    plan: dict[str, list[dict[str, Any]]] = {h.name: [] for h in cluster.hosts}
+    for scheduled in rounds:
+        for pair in scheduled["pairs"]:
+            client, server, port = pair["client"], pair["server"], pair["port"]
+            plan[server].append({"round": scheduled["index"], "role": "server", "port": port,
+                                 "bind": addresses[server]})  # fmt: skip
+            plan[client].append({"round": scheduled["index"], "role": "client", "port": port,
+                                 "peer": addresses[server], "peer_name": server})  # fmt: skip
+    return plan
 
 
 def _training_env(host) -> dict[str, str]:
@@ -155,7 +180,11 @@ def extravars(
         "preflight_facts": facts,
         "preflight_requests": node_requests(cluster, checks, token, model_dir, io_timeout_s),
         "preflight_io_timeout_s": io_timeout_s,
-        "preflight_iperf_rounds": (rounds or iperf_rounds(cluster, full)) if "bandwidth" in checks else [],
+        "preflight_iperf_plan": iperf_plan(
+            cluster, with_ports(cluster, rounds) if rounds else iperf_rounds(cluster, full)
+        )
+        if "bandwidth" in checks
+        else {},
         "preflight_iperf_seconds": iperf_seconds,
         "preflight_ssh_logins": ssh_logins(cluster, full) if "ssh" in checks and rounds is None else {},
     }
@@ -175,7 +204,7 @@ def time_limit_s(
     names = [h.name for h in cluster.hosts]
     rounds = len(schedule.bandwidth_rounds(names, full)) if "bandwidth" in checks else 0
     logins = len(schedule.login_offsets(len(names), full)) if "ssh" in checks else 0
-    return 300 + 4 * io_timeout_s + rounds * (iperf_seconds + 90) + 20 * logins
+    return 300 + 4 * io_timeout_s + rounds * (iperf_seconds + 120) + 20 * logins
 
 
 def run_probes(
@@ -223,10 +252,11 @@ def run_probes(
         except ValueError:
             probes.errors.setdefault(item.task, {})[item.host] = f"unreadable probe output: {stdout[-300:]}"
             continue
-        if item.task == IPERF_TEST and parsed.get("role") == "client":
-            probes.iperf.append({"client": item.host, **parsed})
-        elif item.task == IPERF_TEST:
-            probes.outputs.setdefault(IPERF_SERVER, {})[f"{item.host}#{parsed.get('round')}"] = parsed
+        if item.task == IPERF_TEST:
+            for measured in parsed.get("clients", []):
+                probes.iperf.append({"client": item.host, **measured})
+            for served in parsed.get("servers", []):
+                probes.outputs.setdefault(IPERF_SERVER, {})[f"{item.host}#{served.get('round')}"] = served
         else:
             probes.outputs.setdefault(item.task, {})[item.host] = parsed
     return probes

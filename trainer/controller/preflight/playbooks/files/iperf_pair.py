@@ -1,5 +1,13 @@
 #!/usr/bin/env python3
-"""One side of one iperf3 test: start a one-off server, or run the client against it.
+"""This node's side of the bandwidth check's iperf3 tests: every round of it, or one step.
+
+rounds: the whole schedule of this node (one Ansible task per node for every round: each task costs
+the controller per node, so a task per round was the check's cost at scale). Step by step, in round
+order, it serves (the `server` step below, run as a child; it waits until that server's one test
+is over, then ends it) or measures (the `client` step, which tries to connect until its server
+listens). No clock keeps the rounds in step: a node starts its round when its previous one is over,
+and a client waits for its server, so each pair meets as soon as both ends are free. Each round has
+a port of its own, so a client running ahead never takes a server meant for another round's client.
 
 server: `iperf3 -s -1` bound to this node's cluster address on a comm-range port, started as a child
 in its own session (it outlives this script) and reported started only once it listens; it exits
@@ -34,6 +42,10 @@ def run(command, timeout):
 
 #: How long a server may take to listen before it counts as not started.
 LISTEN_WITHIN_S = 15
+#: How long a client of `rounds` keeps trying to connect: its server's node may still be in its own
+#: previous round, or (the first round) its task may have started later, Ansible starting one node's
+#: task after another. Only a pair that fails waits this long.
+PEER_WITHIN_S = 60
 
 
 def start_time(pid):
@@ -91,9 +103,9 @@ def client(args):
         "--connect-timeout",
         "3000",
     ]
-    # The server starts in the same task as this client (one task per round): try to connect until
-    # it has had its time to listen.
-    deadline = time.monotonic() + LISTEN_WITHIN_S + 5
+    # The server starts on another node at about the same time: try to connect until it has had its
+    # time to listen.
+    deadline = time.monotonic() + args.connect_within
     while True:
         rc, out, err = run(command, args.seconds + 30)
         try:
@@ -142,10 +154,70 @@ def stop(args):
     return {"stopped": True}
 
 
+def wait_for_test(server, seconds):
+    """Until the server's one test is over (the one-off server exits) or its client is late past
+    every bound (it never came: the pair failed on the client's side); then end it, if still ours."""
+    deadline = time.monotonic() + LISTEN_WITHIN_S + PEER_WITHIN_S + seconds + 30
+    while time.monotonic() < deadline and still_our_server(server["pid"], server["start_time"]):
+        time.sleep(0.1)
+    return stop(argparse.Namespace(pid=server["pid"], start_time=server["start_time"]))
+
+
+def rounds(args):
+    """Every step of this node's schedule (--plan, round order), each over before the next starts."""
+    servers, clients = [], []
+    began = time.monotonic()
+    for step in json.loads(args.plan):
+        # When each step started and how long it took: where a slow check spent its time.
+        step_began = time.monotonic()
+        if step["role"] == "server":
+            # The `server` step as a child: the one way a server is started, and it returns once the
+            # server listens (or with why it did not), the server in a session of its own.
+            command = [sys.executable, os.path.abspath(__file__), "server", "--round", str(step["round"])]
+            rc, out, err = run([*command, "--port", str(step["port"]), "--bind", step["bind"]], 60)
+            try:
+                started = json.loads(out.splitlines()[-1])
+            except (ValueError, IndexError):
+                started = {"started": False, "error": f"the server step failed ({rc}): {err.strip()[-400:]}"}
+            if started.get("started"):
+                started["stopped"] = wait_for_test(started, args.seconds)["stopped"]
+            servers.append({**started, "round": step["round"], **_timed(began, step_began)})
+        else:
+            step_args = argparse.Namespace(
+                peer=step["peer"], port=step["port"], seconds=args.seconds, connect_within=PEER_WITHIN_S
+            )
+            measured = client(step_args)
+            clients.append(
+                {
+                    **measured,
+                    "round": step["round"],
+                    "peer_name": step["peer_name"],
+                    **_timed(began, step_began),
+                }
+            )
+    # [pid, start_time] of each server started, for the stop task (the playbook passes them on).
+    started = [[s["pid"], s["start_time"]] for s in servers if s.get("pid")]
+    return {"servers": servers, "clients": clients, "started": started}
+
+
+def _timed(began, step_began):
+    return {"at_s": round(step_began - began, 2), "took_s": round(time.monotonic() - step_began, 2)}
+
+
+def stop_all(args):
+    """stop for each [pid, start_time] in --servers (what `rounds` printed): a backstop, as `rounds`
+    ends each of its servers after its round."""
+    ended = [
+        stop(argparse.Namespace(pid=pid, start_time=started)) for pid, started in json.loads(args.servers)
+    ]
+    return {"stopped": any(e["stopped"] for e in ended)}
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=("server", "client", "stop"))
-    parser.add_argument("--round", type=int, required=True)
+    parser.add_argument("role", choices=("rounds", "server", "client", "stop"))
+    parser.add_argument("--plan", default="[]", help="rounds: [{round, role, port, bind | peer, peer_name}]")
+    parser.add_argument("--round", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--bind", default="")
     parser.add_argument("--peer", default="")
@@ -153,8 +225,13 @@ def main():
     parser.add_argument("--seconds", type=int, default=3)
     parser.add_argument("--pid", type=int, default=0, help="stop: the pid the server step printed")
     parser.add_argument("--start-time", type=int, default=-1, help="stop: the start time it printed")
+    parser.add_argument("--servers", default="", help="stop: [[pid, start_time], ...] that `rounds` printed")
+    parser.add_argument("--connect-within", type=float, default=LISTEN_WITHIN_S + 5, help="client: seconds")
     args = parser.parse_args()
-    out = {"server": server, "client": client, "stop": stop}[args.role](args)
+    if args.role == "stop" and args.servers:
+        out = stop_all(args)
+    else:
+        out = {"rounds": rounds, "server": server, "client": client, "stop": stop}[args.role](args)
     out.update(role=args.role, round=args.round, peer_name=args.peer_name)
     print(json.dumps(out))
     return 0
