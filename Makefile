@@ -98,7 +98,9 @@ test: lint test-fast molecule
 
 # The GPU benchmarks (bench/gpu_*) need a GPU machine and run there (bench/README.md).
 bench: install-dev
-	for b in $(filter-out bench/gpu_%,$(wildcard bench/*.py)); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	for b in $(filter-out bench/gpu_% bench/scale.py,$(wildcard bench/*.py)); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@echo "== bench/scale.py (2 and 8 simulated nodes; the table in docs/scale.md runs 2 to 64)"
+	$(BIN)/python bench/scale.py --nodes 2,8 --skip first_step
 
 # The docs site, strict: a broken link or anchor, or a page left out of the nav, fails (mkdocs.yml).
 docs: install-dev
