@@ -75,7 +75,8 @@ from trainer.controller.training_env import IB_AUTO
 
 PLAYBOOKS = PurePosixPath(__file__).parent / "playbooks"
 PROBE_TASK = "Probe the node (user, venv, interface, master port, previous run, InfiniBand, command)"
-START_TASK = "Start the trainer in its own process group"
+#: start.yml's last node task: the start, then the watch, in one task (a task forks a worker per node).
+START_TASK = "Start the trainer in its own process group and follow it until it ends"
 WATCH_TASK = "Follow the trainer until it ends"
 STOP_TASK = "Stop the trainer's process group"
 STATUS_TASK = "Read the node's state"
@@ -483,6 +484,7 @@ class Launcher:
         view.states(monitor.ordered)
         probes: dict[str, dict[str, Any]] = {}
         started: set[str] = set()
+        start_ended: set[str] = set()
         start_failures: list[tuple[str, str, str, str]] = []
         lock_refused: list[dict[str, Any]] = []
         cancel = threading.Event()
@@ -492,7 +494,7 @@ class Launcher:
             task, host, res = data.get("task"), data.get("host"), data.get("res") or {}
             if (
                 name == "playbook_on_task_start"
-                and task == WATCH_TASK
+                and task == START_TASK
                 and topo.nccl_ib_disable == IB_AUTO
                 and not attach
             ):
@@ -531,25 +533,45 @@ class Launcher:
             if name == "runner_on_ok" and task == PROBE_TASK:
                 probes[host] = res
                 self.become[host] = bool(res.get("become"))
-            elif name == "runner_on_ok" and task == START_TASK:
+            elif task == START_TASK and (res.get("start_failed") is False or host in started):
+                # The watch's end (its result is its last report, already shown) or its failure
+                # (the monitor has judged the node from its misses).
+                return
+            elif name in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
+                text = with_known_fix(str(res.get("msg") or res.get("stderr") or "failed").strip())
+                start_failures.append(
+                    (host, "Start the trainer" if task == START_TASK else str(task), text, name)
+                )
+                if task == START_TASK:
+                    # The nodes that started are being followed already (start and watch are one
+                    # task): the playbook would not end by itself.
+                    start_ended.add(host)
+                    cancel.set()
+
+        def starts_done() -> bool:
+            """Every node started or failed to: before that, a failure is judged when the starts end
+            (a stop now could reach a node before its start does)."""
+            return len(started | start_ended) >= len(self.hosts) or attach
+
+        def on_message(message: dict[str, Any]) -> None:
+            if message.get("type") == "started":
+                host, report = str(message.get("host")), message.get("report") or {}
+                if host not in monitor.hosts:
+                    return
                 started.add(host)
                 # Only "running": a command that has ended already is judged by the watch's first
                 # report, which brings its log lines with its state.
-                if res.get("state") == "running":
-                    monitor.apply(monitor.hosts[host], res)
+                if report.get("state") == "running":
+                    monitor.apply(monitor.hosts[host], report)
                     view.states(monitor.ordered)
-            elif name in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
-                text = with_known_fix(str(res.get("msg") or res.get("stderr") or "failed").strip())
-                start_failures.append((host, str(task), text, name))
-
-        def on_message(message: dict[str, Any]) -> None:
-            monitor.on_message(message)
-            if monitor.must_stop:
+            else:
+                monitor.on_message(message)
+            if monitor.must_stop and starts_done():
                 cancel.set()
 
         def on_tick() -> None:
             monitor.tick()
-            if monitor.must_stop:
+            if monitor.must_stop and starts_done():
                 cancel.set()
 
         what = f"engine {plan.engine}" if plan.runs_bundled_trainer else "your command"

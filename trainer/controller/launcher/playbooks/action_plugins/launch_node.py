@@ -21,7 +21,16 @@ socket of trainer.controller.runner, one JSON line per message) instead of an An
 of days writes no event files and grows no event list. A poll that fails or gets no answer is sent
 as a miss (`since`: when the node stopped answering); the launcher decides when a node has been
 unreachable for too long (--unreachable-grace) and cancels the run. The task itself ends once the
-node's trainer has ended, with the last report as its result.
+node's trainer has ended, with the last report as its result. `start` with `follow` (the watch's
+arguments) starts the trainer and then watches it in the same task, the start's answer sent first
+(`started`): Ansible forks a worker per host and task, the controller's main cost per node, so
+start.yml's node tasks are two (the probe, the start with its watch).
+
+`become_auto` (with `training_user`): the task's become is used only where Ansible connects as
+another account than the training user, found out in the same task (`id -un`, a round trip) rather
+than by a `whoami` task of its own. The probe always runs as the connecting account (its answer says
+whether the trainer must become the training user); where it must, the command check follows as the
+training user, in the same task.
 """
 
 from __future__ import annotations
@@ -126,6 +135,9 @@ class ActionModule(ActionBase):
             "iface",
             "ib_disable",
             "secret",
+            "become_auto",
+            "training_user",
+            "follow",
         )
     )
 
@@ -138,18 +150,36 @@ class ActionModule(ActionBase):
         self._hostname = str((task_vars or {}).get("inventory_hostname") or "the node")
         timeout_s = float(args.get("timeout_s") or 60)
         request = dict(args.get("request") or {})
+        # Whether a call uses the task's become: `become_auto` asks who Ansible connects as first (a
+        # round trip in this task, where a `whoami` task of its own cost the controller a worker per
+        # node) and becomes the training user only from another account.
+        self._sudoable = True
         try:
             if op == "whoami":
-                res = self._exec(f"timeout -k 5 {int(timeout_s)} id -un", None, timeout_s, sudoable=False)
-                if res["rc"] != 0:
-                    raise NoAnswer(f"id -un failed (rc {res['rc']}): {res['stderr'].strip()[:300]}")
-                result["user"] = res["stdout"].strip()
+                result["user"] = self._whoami(timeout_s)
                 return result
+            if args.get("become_auto") and self._connection.become is not None:
+                result["user"] = self._whoami(timeout_s)
+                self._sudoable = result["user"] != str(args.get("training_user") or "")
             if op == "watch":
                 return {**result, **self._watch(args, request)}
             if op == "start":
                 request["run_sh"] = self._resolved_run_sh(request["run_sh"], args)
-            answer = self._call(args["python"], {**request, "op": op}, timeout_s, bool(args.get("secret")))
+            secret = bool(args.get("secret"))
+            if op == "probe":
+                answer = self._probe(args["python"], request, timeout_s)
+            else:
+                answer = self._call(args["python"], {**request, "op": op}, timeout_s, secret)
+            if op == "start" and args.get("follow"):
+                # Start and watch in one task: a task of its own for the watch forked another worker
+                # per node. The start's answer goes to the launcher through the channel first.
+                follow = dict(args["follow"])
+                watched = self._watch(
+                    {**args, **follow, "timeout_s": follow.get("timeout_s")},
+                    dict(follow.get("request") or {}),
+                    started=answer,
+                )
+                return {**result, **watched, "start_failed": False}
         except NodeError as err:
             if op == "probe":
                 err.text = (
@@ -157,10 +187,10 @@ class ActionModule(ActionBase):
                     f"({err.text[-200:] or f'exit code {err.rc}'}): install the trainer there "
                     "(make provision) or fix training_venv"
                 )
-            result.update(failed=True, msg=err.text or str(err), rc=err.rc)
+            result.update(failed=True, msg=err.text or str(err), rc=err.rc, start_failed=op == "start")
             return result
         except NoAnswer as err:
-            result.update(failed=True, msg=f"{self._hostname}: {err}")
+            result.update(failed=True, msg=f"{self._hostname}: {err}", start_failed=op == "start")
             return result
         result.update(answer)
         if op == "probe" and request.get("lock") and not (answer.get("lock") or {}).get("acquired", True):
@@ -179,17 +209,40 @@ class ActionModule(ActionBase):
         )
         return result
 
+    def _probe(self, python: str, request: dict, timeout_s: float) -> dict:
+        """The probe, as the account Ansible connects as (its answer says whether the trainer must
+        become the training user); where it must, the command check as the training user follows in
+        the same task (the task's become), a round trip instead of a task and a worker per node."""
+        self._sudoable = False
+        answer = self._call(python, {**request, "op": "probe"}, timeout_s)
+        self._sudoable = True
+        check_request = request.get("check") or {}
+        if check_request and answer.get("become") and not answer.get("checked"):
+            if self._connection.become is None:
+                raise NoAnswer("the command check needs become to the training user: the task has none")
+            checked = self._call(python, {"op": "check", "check": check_request}, timeout_s)
+            answer.update(checked=True, check_error=checked.get("check_error") or "")
+        return answer
+
+    def _whoami(self, timeout_s: float) -> str:
+        """Who Ansible connects to the node as (never through become)."""
+        res = self._exec(f"timeout -k 5 {int(timeout_s)} id -un", None, timeout_s, sudoable=False)
+        if res["rc"] != 0:
+            raise NoAnswer(f"id -un failed (rc {res['rc']}): {res['stderr'].strip()[:300]}")
+        return res["stdout"].strip()
+
     # --- one call ----------------------------------------------------------------------------------
 
-    def _exec(self, cmd: str, in_data: bytes | None, timeout_s: float, sudoable: bool = True) -> dict:
+    def _exec(self, cmd: str, in_data: bytes | None, timeout_s: float, sudoable: bool | None = None) -> dict:
         """_low_level_execute_command, waited for at most timeout_s + 5 s. A call still running after
         that stays the one pending call (the next call waits for it rather than piling up another)."""
         if self._pending is None or not self._pending.is_alive():
             box: dict[str, Any] = {}
+            use_become = self._sudoable if sudoable is None else sudoable
 
             def work() -> None:
                 try:
-                    box["res"] = self._low_level_execute_command(cmd, sudoable=sudoable, in_data=in_data)
+                    box["res"] = self._low_level_execute_command(cmd, sudoable=use_become, in_data=in_data)
                 except BaseException as err:  # handed to the waiting thread below
                     box["err"] = err
 
@@ -282,7 +335,7 @@ class ActionModule(ActionBase):
 
     # --- the watch ---------------------------------------------------------------------------------
 
-    def _watch(self, args: dict, request: dict) -> dict:
+    def _watch(self, args: dict, request: dict, started: dict | None = None) -> dict:
         poll_s = max(0.05, float(args.get("poll_s") or 2.0))
         # How long a poll waits on the node when nothing happens there (a round trip per poll is the
         # controller's cost of following a node; news cuts the wait short).
@@ -292,11 +345,21 @@ class ActionModule(ActionBase):
         host = self._hostname
         offset = request.get("offset")
         first_miss: float | None = None
+        confirming = False
+
+        def unconfirmed_end(report: dict) -> bool:
+            failed_end = report.get("state") == "vanished" or (
+                report.get("state") == "exited" and (report.get("exit") or {}).get("exit_code") != 0
+            )
+            return bool(request.get("quiet")) and failed_end
+
         # Polls that may start at once (a token bucket refilled at one per poll_s, BURST_POLLS deep).
         credit, credit_at = float(BURST_POLLS), time.monotonic()
         channel = _Channel()
         try:
             channel.open(args.get("channel") or "")
+            if started is not None:
+                channel.send({"type": "started", "host": host, "report": started})
             while True:
                 # A long poll comes back early when there is news (the first line of a quiet log is
                 # shown at once), and the next one starts at once while there is credit: a line that
@@ -327,6 +390,15 @@ class ActionModule(ActionBase):
                     continue
                 first_miss = None
                 offset = report.get("offset", offset)
+                if unconfirmed_end(report) and not confirming:
+                    # A worker's failed end is told once its node answers again. A node that goes
+                    # away (a reclaimed instance) kills its processes first, and a poll waiting on it
+                    # (a worker's waits up to quiet_s) can see them end: such a node is lost (the
+                    # next poll fails), the first cause, not a trainer that failed. Its lines are
+                    # shown meanwhile.
+                    confirming = True
+                    channel.send({"type": "report", "host": host, "report": _still_running(report)})
+                    continue
                 channel.send({"type": "report", "host": host, "report": report})
                 if report.get("state") in FINAL_STATES:
                     code = (report.get("exit") or {}).get("exit_code")
@@ -335,6 +407,12 @@ class ActionModule(ActionBase):
             return {"failed": True, "msg": "the launcher stopped listening; the trainer was left running"}
         finally:
             channel.close()
+
+
+def _still_running(report: dict) -> dict:
+    """A report of a node's end with the end left out (its lines, progress and time kept)."""
+    held = ("exit", "errors", "rank_exits")
+    return {**{k: v for k, v in report.items() if k not in held}, "state": "running"}
 
 
 class NodeError(AnsibleError):
