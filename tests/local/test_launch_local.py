@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.loopback_launch import TINY, launch_command, trainer_pids
-from helpers.loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,6 @@ import time
 
 import pytest
 from helpers.bed_launch import BED_UP, ENV, HOSTS, launch, run_launch, worker_trainer_pids
-from helpers.bed_launch import testbed as _testbed  # noqa: F401 - the fixture, by its name
 
 pytestmark = [pytest.mark.slow, BED_UP]
 
