@@ -72,6 +72,23 @@ def test_a_controller_that_cannot_follow_every_node_refuses_the_launch_and_names
     assert not (shared / "runs" / "wide" / "launch" / "node-0" / "log").exists(), "nothing started anywhere"
 
 
+def test_a_preflight_whose_bandwidth_rounds_cannot_run_on_every_node_at_once_is_refused(tmp_path):
+    inventory, _ = loopback.write_inventory(tmp_path, nodes=3)
+    files = 72  # 2 nodes at once, as above
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        trainer("preflight", "-i", str(inventory), "--report", str(report)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (files, files)),
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "holds 2 nodes at once, the cluster has 3" in done.stderr, done.stderr
+    assert "ulimit -n" in done.stderr and "--skip bandwidth" in done.stderr, "the fixes"
+    assert "probing" not in done.stdout and not report.exists(), "refused before any probe"
+
+
 class ControllerCpu:
     """CPU of one command and all it starts, SSH masters that detach from it included (a cgroup)."""
 

@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, reports: list[Report]) -> int:
+    from trainer.controller.forks import limits
     from trainer.controller.inventory import InventoryError, load_cluster
 
     started = time.monotonic()
@@ -159,6 +160,17 @@ def _run(args: argparse.Namespace, reports: list[Report]) -> int:
         print(f"trainer preflight: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     checks = [c for c in CHECKS if c not in set(args.skip)]
+    # Every node runs its bandwidth rounds in one task, each round waiting on its peer's: a node past
+    # the fork limit would start only once others ended, and its peers would time out waiting.
+    here = limits()
+    if "bandwidth" in checks and len(cluster.hosts) > here.nodes:
+        print(
+            f"trainer preflight: the bandwidth check runs on every node at once and this controller holds "
+            f"{here.nodes} nodes at once, the cluster has {len(cluster.hosts)}. Limit: {here.binding()}; "
+            "or leave the check out: --skip bandwidth",
+            file=sys.stderr,
+        )
+        return exitcodes.CONFIG_ERROR
     try:  # before any probe: a report that cannot be written is better known now
         args.report.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
