@@ -17,7 +17,7 @@ then returns.
 No timeout kills the launcher: it runs in this process, and a bound past, a TERM or a Ctrl-C to
 preflight all end in the launcher's own stop, which sends TERM to each node's process group and
 KILL only to what is left after the stop grace, so torchrun and DeepSpeed clean up on every node
-(tests/test_preflight_local.py: a job stuck in its compile, and preflight stopped with TERM, leave
+(tests/local/test_preflight_local.py: a job stuck in its compile, and preflight stopped with TERM, leave
 no process of the job). Like any launch, the job holds its run's lock (a fresh run name) until it
 has stopped.
 """
