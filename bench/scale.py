@@ -181,21 +181,6 @@ def is_master(pid: int) -> bool:
     return title.startswith("ssh: ") and title.endswith("[mux]")
 
 
-def ssh_connections_to(cluster: Any) -> list[str]:
-    """This machine's established TCP connections to port 22 of the cluster's nodes (/proc/net/tcp):
-    what an SSH master left behind holds, found without the cgroup."""
-    wanted = {
-        "".join(f"{int(part):02X}" for part in reversed(a.split("."))) for a in cluster.addresses.values()
-    }
-    found = []
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        remote, state = line.split()[2:4]
-        address, port = remote.split(":")
-        if state == "01" and int(port, 16) == 22 and address in wanted:  # 01: ESTABLISHED
-            found.append(remote)
-    return found
-
-
 class Command:
     """One controller command, started now, measured until it ends (`finish`)."""
 
@@ -255,7 +240,7 @@ class Command:
         cpu = self.cpu_s() if self.group.path is not None else usage.ru_utime + usage.ru_stime
         node_cpu = self.cluster.node_cpu_s() - self.node_cpu_before
         masters = sum(1 for pid in self.group.pids() if is_master(pid))
-        connections = len(ssh_connections_to(self.cluster))
+        connections = len(self.cluster.ssh_connections())
         self.group.remove()
         output = "".join(self.lines)
         return Measured(

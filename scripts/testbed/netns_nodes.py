@@ -491,6 +491,20 @@ class Cluster:
 
     # ---- down ----------------------------------------------------------------------------------
 
+    def ssh_connections(self) -> list[str]:
+        """This machine's established TCP connections to the nodes' sshd (/proc/net/tcp): what an SSH
+        master left behind holds, found by address (its title names no node; other runs have theirs)."""
+        wanted = {
+            "".join(f"{int(part):02X}" for part in reversed(a.split("."))) for a in self.addresses.values()
+        }
+        found = []
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            remote, state = line.split()[2:4]
+            address, port = remote.split(":")
+            if state == "01" and int(port, 16) == 22 and address in wanted:  # 01: ESTABLISHED
+                found.append(remote)
+        return found
+
     def down(self) -> None:
         """Every node process killed, the namespaces, veths, bridge, cgroup and user removed."""
         self._kill_nodes()

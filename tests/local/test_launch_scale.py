@@ -172,21 +172,6 @@ def test_following_eight_nodes_costs_the_controller_little_more_than_two(workdir
     )
 
 
-def ssh_connections(cluster) -> list[str]:
-    """This machine's established TCP connections to the nodes' sshd (/proc/net/tcp): what an SSH
-    master left behind holds (the masters' titles name no node, and other runs may have their own)."""
-    wanted = {
-        "".join(f"{int(part):02X}" for part in reversed(a.split("."))) for a in cluster.addresses.values()
-    }
-    found = []
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        remote, state = line.split()[2:4]
-        address, port = remote.split(":")
-        if state == "01" and int(port, 16) == 22 and address in wanted:  # 01: ESTABLISHED
-            found.append(remote)
-    return found
-
-
 def test_no_ssh_master_is_left_after_a_launch_status_and_stop(workdir):
     module = _netns_nodes()
     _skip_without_netns(module)
@@ -196,7 +181,7 @@ def test_no_ssh_master_is_left_after_a_launch_status_and_stop(workdir):
             trainer("launch", "-i", inventory, "--", "true"), capture_output=True, text=True
         )
         assert done.returncode == 0, done.stdout + done.stderr
-        assert not ssh_connections(cluster), "an SSH master of the launch is still connected"
+        assert not cluster.ssh_connections(), "an SSH master of the launch is still connected"
         launch = subprocess.Popen(
             trainer("launch", "-i", inventory, "--run-name", "long", "--", "sleep", "60"),
             stdout=subprocess.DEVNULL,
@@ -207,19 +192,19 @@ def test_no_ssh_master_is_left_after_a_launch_status_and_stop(workdir):
             while not _started(cluster.shared, "long", 2):
                 assert launch.poll() is None and time.monotonic() < deadline, "the launch did not start"
                 time.sleep(0.2)
-            following = len(ssh_connections(cluster))
+            following = len(cluster.ssh_connections())
             status = subprocess.run(
                 trainer("status", "-i", inventory, "--run-name", "long"), capture_output=True, text=True
             )
             assert status.returncode == 0 and "running" in status.stdout, status.stdout + status.stderr
             # The running launch holds a master per node; status's own ended with it.
-            assert len(ssh_connections(cluster)) <= following, "trainer status left an SSH master"
+            assert len(cluster.ssh_connections()) <= following, "trainer status left an SSH master"
             stop = subprocess.run(trainer("stop", "-i", inventory, "--run-name", "long"), capture_output=True)
             assert stop.returncode == 0, stop.stdout + stop.stderr
             assert launch.wait(timeout=60) == 130, "the launch saw its run stopped"
         finally:
             if launch.poll() is None:
                 launch.kill()
-        assert not ssh_connections(cluster), (
+        assert not cluster.ssh_connections(), (
             "an SSH master of trainer stop or the stopped launch is connected"
         )
