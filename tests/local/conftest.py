@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers.loopback_launch import loopback_cluster  # noqa: F401 - the fixture, for every test here
+from helpers.simulated_nodes import sim_workdir  # noqa: F401 - the fixture, for the scale tests
 
 HERE = Path(__file__).resolve().parent
 

@@ -8,43 +8,18 @@ before any node is reached (loopback hosts)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import resource
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from helpers import loopback
+from helpers.simulated_nodes import NEEDS_NETNS, netns_nodes, scale
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = str(REPO / ".venv" / "bin" / "python")
-
-
-def _netns_nodes():
-    spec = importlib.util.spec_from_file_location(
-        "netns_nodes", REPO / "scripts" / "testbed" / "netns_nodes.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["netns_nodes"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _skip_without_netns(module) -> None:
-    if problem := module.missing_requirements():
-        pytest.skip(f"simulated nodes need {problem}")
-
-
-@pytest.fixture
-def workdir():
-    """A directory the nodes' training user can enter (pytest's tmp_path sits under a 0700 one)."""
-    with tempfile.TemporaryDirectory(prefix="test-launch-scale-") as tmp:
-        Path(tmp).chmod(0o755)
-        yield Path(tmp)
 
 
 def trainer(*args: str) -> list[str]:
@@ -89,36 +64,6 @@ def test_a_preflight_whose_bandwidth_rounds_cannot_run_on_every_node_at_once_is_
     assert "probing" not in done.stdout and not report.exists(), "refused before any probe"
 
 
-class ControllerCpu:
-    """CPU of one command and all it starts, SSH masters that detach from it included (a cgroup)."""
-
-    def __init__(self, root: Path, name: str) -> None:
-        self.path = root / f"ct-launch-scale-{os.getpid()}-{name}"
-        self.path.mkdir()
-
-    def popen(self, command: list[str], **kwargs) -> subprocess.Popen:
-        procs = self.path / "cgroup.procs"
-        return subprocess.Popen(
-            command, preexec_fn=lambda: procs.write_text(str(os.getpid())), start_new_session=True, **kwargs
-        )
-
-    def cpu_s(self) -> float:
-        for line in (self.path / "cpu.stat").read_text().splitlines():
-            if line.startswith("usage_usec"):
-                return int(line.split()[1]) / 1e6
-        raise AssertionError("no usage_usec in cpu.stat")
-
-    def remove(self) -> None:
-        if (self.path / "cgroup.kill").exists():
-            (self.path / "cgroup.kill").write_text("1")
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
-
-
 def _started(shared: Path, run: str, nodes: int) -> bool:
     launch = shared / "runs" / run / "launch"
     return all((launch / f"node-{i}" / "log").exists() for i in range(nodes))
@@ -126,12 +71,15 @@ def _started(shared: Path, run: str, nodes: int) -> bool:
 
 def _following_rate(cluster, root: Path, nodes: int, window_s: float = 6.0) -> float:
     """Controller CPU (share of a core) while `trainer launch -- sleep` follows `nodes` nodes."""
-    group = ControllerCpu(root, f"n{nodes}")
+    group = scale.ControllerGroup(f"ct-launch-scale-{os.getpid()}-n{nodes}")
+    assert group.path is not None, f"cannot make a cgroup under {root}"
     run = f"follow{nodes}"
-    launch = group.popen(
+    launch = subprocess.Popen(
         trainer("launch", "-i", str(cluster.inventory), "--run-name", run, "--", "sleep", "60"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=group.join,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -148,20 +96,19 @@ def _following_rate(cluster, root: Path, nodes: int, window_s: float = 6.0) -> f
         group.remove()
 
 
-def _cgroup_root(module) -> Path:
-    root = module._cgroup2_root()
+def _cgroup_root() -> Path:
+    root = netns_nodes._cgroup2_root()
     if root is None:
         pytest.skip("measures the controller's CPU in a cgroup v2 directory (none writable here)")
     return root
 
 
-def test_following_eight_nodes_costs_the_controller_little_more_than_two(workdir):
-    module = _netns_nodes()
-    _skip_without_netns(module)
-    root = _cgroup_root(module)
+@NEEDS_NETNS
+def test_following_eight_nodes_costs_the_controller_little_more_than_two(sim_workdir):
+    root = _cgroup_root()
     rates = {}
     for n in (2, 8):
-        with module.nodes(n, workdir / f"sim{n}") as cluster:
+        with netns_nodes.nodes(n, sim_workdir / f"sim{n}") as cluster:
             rates[n] = _following_rate(cluster, root, n)
     per_node = (rates[8] - rates[2]) / 6
     # bench/scale.py (2 cores shared with the nodes): 1.3 % of a core at 2 nodes, 2.3 % at 8 (0.11 %
@@ -172,10 +119,9 @@ def test_following_eight_nodes_costs_the_controller_little_more_than_two(workdir
     )
 
 
-def test_no_ssh_master_is_left_after_a_launch_status_and_stop(workdir):
-    module = _netns_nodes()
-    _skip_without_netns(module)
-    with module.nodes(2, workdir / "sim") as cluster:
+@NEEDS_NETNS
+def test_no_ssh_master_is_left_after_a_launch_status_and_stop(sim_workdir):
+    with netns_nodes.nodes(2, sim_workdir / "sim") as cluster:
         inventory = str(cluster.inventory)
         done = subprocess.run(
             trainer("launch", "-i", inventory, "--", "true"), capture_output=True, text=True

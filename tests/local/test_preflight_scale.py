@@ -5,19 +5,17 @@ and real faults are named with their fixes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+from helpers.simulated_nodes import NEEDS_NETNS, netns_nodes
 
 from trainer import exitcodes
 
@@ -27,28 +25,8 @@ OTHERS = ("master_port", "ufw", "interface", "accelerators", "versions", "interc
           "clock", "nfs", "shared_dir", "space", "data", "bandwidth", "deepspeed")  # fmt: skip
 
 
-def _netns():
-    spec = importlib.util.spec_from_file_location("netns_nodes", REPO / "scripts/testbed/netns_nodes.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("netns_nodes", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-netns = _netns()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(bool(netns.missing_requirements()), reason=str(netns.missing_requirements())),
-]
-
-
-@pytest.fixture
-def sim_dir():
-    """A directory the nodes' training user can reach (pytest's tmp_path is closed to it)."""
-    root = Path(tempfile.mkdtemp(prefix="ct-preflight-scale-"))
-    root.chmod(0o755)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+netns = netns_nodes
+pytestmark = [pytest.mark.slow, NEEDS_NETNS]
 
 
 def preflight_ssh(cluster, report: Path) -> tuple[subprocess.CompletedProcess, dict]:
@@ -70,10 +48,10 @@ def accepted_logins(cluster) -> dict[str, int]:
     return counts
 
 
-def test_a_healthy_cluster_passes_with_n_log_n_logins_and_few_per_sshd(tmp_path, sim_dir):
+def test_a_healthy_cluster_passes_with_n_log_n_logins_and_few_per_sshd(tmp_path, sim_workdir):
     logins = {}
     for count in (4, 8):
-        with netns.nodes(count, sim_dir / f"sim{count}") as cluster:
+        with netns.nodes(count, sim_workdir / f"sim{count}") as cluster:
             out, report = preflight_ssh(cluster, tmp_path / f"report{count}.json")
             assert out.returncode == exitcodes.OK, out.stdout + out.stderr
             ssh = [r for r in report["results"] if r["check"] == "ssh"]
@@ -95,8 +73,8 @@ def test_a_healthy_cluster_passes_with_n_log_n_logins_and_few_per_sshd(tmp_path,
     assert logins[8] / logins[4] < (8 * 7) / (4 * 3)
 
 
-def test_a_refused_key_and_a_stopped_sshd_are_named_with_their_fixes(tmp_path, sim_dir):
-    with netns.nodes(8, sim_dir / "sim") as cluster:
+def test_a_refused_key_and_a_stopped_sshd_are_named_with_their_fixes(tmp_path, sim_workdir):
+    with netns.nodes(8, sim_workdir / "sim") as cluster:
         # n03's sshd no longer takes the training user's key (its own AuthorizedKeysFile, empty);
         # root's (Ansible's) still works. n05's sshd is stopped.
         empty = cluster.root / "empty_keys"

@@ -7,28 +7,10 @@ one run, never as seconds."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str, path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-netns_nodes = _load("netns_nodes", REPO / "scripts" / "testbed" / "netns_nodes.py")
-scale = _load("bench_scale", REPO / "bench" / "scale.py")
+from helpers.simulated_nodes import NEEDS_NETNS, netns_nodes, scale
 
 #: The launch's cost per added node as a share of a whole 2-node launch's controller CPU, the fixed
 #: part (interpreter, imports, inventory) being most of the latter. Measured with bench/scale.py on
@@ -40,16 +22,7 @@ scale = _load("bench_scale", REPO / "bench" / "scale.py")
 #: it to 0.1 once the launch meets its goal: then main's level fails it.
 MAX_PER_NODE_SHARE = 0.2
 
-MISSING = netns_nodes.missing_requirements()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
-
-
-@pytest.fixture
-def workdir():
-    """A directory the nodes' training user can enter (pytest's tmp_path sits under a 0700 one)."""
-    with tempfile.TemporaryDirectory(prefix="test-scale-") as tmp:
-        Path(tmp).chmod(0o755)
-        yield Path(tmp)
+pytestmark = NEEDS_NETNS
 
 
 def launch_true(cluster: Any) -> Any:
@@ -64,10 +37,10 @@ def launch_true(cluster: Any) -> Any:
     return measured
 
 
-def test_launch_cost_per_node_and_no_ssh_master_left(workdir):
+def test_launch_cost_per_node_and_no_ssh_master_left(sim_workdir):
     measured = {}
     for n in (2, 8):
-        with netns_nodes.nodes(n, workdir / f"sim{n}") as cluster:
+        with netns_nodes.nodes(n, sim_workdir / f"sim{n}") as cluster:
             run = launch_true(cluster)
             # (a) The command ran on every node and each ended well.
             runs = cluster.shared / "runs" / "scale-test" / "launch"
@@ -86,12 +59,12 @@ def test_launch_cost_per_node_and_no_ssh_master_left(workdir):
     )
 
 
-def test_preflight_ssh_check_passes_on_a_healthy_cluster(workdir):
+def test_preflight_ssh_check_passes_on_a_healthy_cluster(sim_workdir):
     from trainer.controller.preflight.checks import CHECKS
 
-    report = workdir / "preflight.json"
+    report = sim_workdir / "preflight.json"
     others = [name for name in CHECKS if name not in ("topology", "ssh")]
-    with netns_nodes.nodes(8, workdir / "sim") as cluster:
+    with netns_nodes.nodes(8, sim_workdir / "sim") as cluster:
         command = scale.Command(
             scale.trainer(
                 "preflight", "-i", str(cluster.inventory), "--report", str(report), "--skip", *others
