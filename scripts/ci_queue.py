@@ -111,36 +111,32 @@ def work(side: str) -> int:
 
 
 def report() -> int:
-    bad = 0
+    not_run = 0
     slowest: list[tuple[float, str]] = []
+    failed: list[tuple[str, list[str]]] = []  # (chunk, its log's lines)
     print("== the bed-free chunks: who ran each, minutes, result")
     for index, (name, _) in enumerate(chunks()):
         done = QUEUE / f"{index:02d}.done.json"
         if not done.is_file():
             print(f"  {name:<22} NOT RUN")
-            bad += 1
+            not_run += 1
             continue
         record = json.loads(done.read_text())
         result = "ok" if record["rc"] == 0 else f"FAILED rc={record['rc']}"
         print(f"  {name:<22} {record['side']:<5} {record['seconds'] / 60:5.1f} min  {result}")
-        text = Path(record["log"]).read_text(errors="replace")
-        for match in re.finditer(r"^(\d+\.\d+)s (call|setup|teardown)\s+(\S+)", text, re.M):
-            slowest.append((float(match.group(1)), f"{match.group(2):<8} {match.group(3)}"))
+        lines = Path(record["log"]).read_text(errors="replace").splitlines()
+        for line in lines:
+            if match := re.match(r"(\d+\.\d+)s (call|setup|teardown)\s+(\S+)", line):
+                slowest.append((float(match.group(1)), f"{match.group(2):<8} {match.group(3)}"))
         if record["rc"] != 0:
-            bad += 1
+            failed.append((f"{name} ({record['log']})", lines))
     print("== the slowest bed-free tests")
     for seconds, what in sorted(slowest, reverse=True)[:25]:
         print(f"  {seconds:7.1f}s {what}")
-    for index, (name, _) in enumerate(chunks()):
-        done = QUEUE / f"{index:02d}.done.json"
-        if done.is_file() and json.loads(done.read_text())["rc"] != 0:
-            print(f"== the end of the failed chunk {name} ({json.loads(done.read_text())['log']})")
-            print(
-                "\n".join(
-                    Path(json.loads(done.read_text())["log"]).read_text(errors="replace").splitlines()[-40:]
-                )
-            )
-    return 1 if bad else 0
+    for chunk, lines in failed:
+        print(f"== the end of the failed chunk {chunk}")
+        print("\n".join(lines[-40:]))
+    return 1 if not_run or failed else 0
 
 
 def main() -> int:
