@@ -74,9 +74,10 @@ up: $(if $(filter inventory/local,$(INVENTORY)),install-train,install)
 	$(if $(filter inventory/local,$(INVENTORY)),mkdir -p output)
 	$(BIN)/trainer up -i $(INVENTORY) $(ARGS)
 
+# ruff --no-cache: a stale cache once hid an import-order error that a fresh clone (CI) reported.
 lint: install-dev
-	$(BIN)/ruff check trainer tests bench scripts
-	$(BIN)/ruff format --check trainer tests bench scripts
+	$(BIN)/ruff check --no-cache trainer tests bench scripts roles
+	$(BIN)/ruff format --no-cache --check trainer tests bench scripts roles
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint --profile production
 
