@@ -10,9 +10,11 @@ never tear down each other's nodes):
 
 - a bridge `ctsimS` in the root namespace holding the controller's address 10.(77+S).0.1/16;
 - node i: namespace `ctsimS-i`, a veth pair (`ctsSvi` on the bridge, `eth0` inside), address
-  10.(77+S).(1 + i // 250).(1 + i % 250), loopback up, host name nII, its own sshd
-  (/usr/sbin/sshd, a config of its own under DIR, ListenAddress its address; OpenSSH's defaults
-  otherwise, MaxStartups included, so a benchmark meets the real limit);
+  10.(77+S).(1 + i // 250).(1 + i % 250), loopback up, host name nII, its own sshd (a config of
+  its own under DIR, ListenAddress its address; OpenSSH's defaults otherwise, MaxStartups
+  included, so a benchmark meets the real limit). The sshd is the installed one, or unpacked into
+  DIR/sshd from the openssh-server .deb in apt's cache, or what CLUSTERTRAIN_TEST_SSHD names
+  (scripts/testbed/sshd_finder.py: openssh-server is not among the project's system packages);
 - one host key (generated once per DIR) for every node, pinned in DIR/ssh/known_hosts for the
   controller; the controller's key authorized for root (AuthorizedKeysFile DIR/ssh/authorized/%u);
 - the training user: a throwaway account `ctsimS` (useradd; userdel on down) with its home under
@@ -25,9 +27,11 @@ never tear down each other's nodes):
   address; ansible_user root; the training user as cluster_training_user (Ansible becomes it);
   the shared dir DIR/shared; the project's venv as training_venv.
 
-Each node's sshd runs in a mount namespace of its own (ip netns exec gives one). Two things of this
+Each node's sshd runs in a mount namespace of its own (ip netns exec gives one). Three things of this
 machine are adjusted there, never outside: when /run/sshd (sshd's privilege separation dir) is
-missing, a fresh tmpfs on /run has it; when the venv's interpreter lies under a directory others
+missing, a fresh tmpfs on /run has it; when sshd's privilege separation user is missing (a machine
+that never installed openssh-server), a copy of /etc/passwd with it is bound over /etc/passwd;
+when the venv's interpreter lies under a directory others
 cannot enter (/root, mode 0700, for a pyenv Python), a tmpfs of mode 0711 covers that directory
 with only the interpreter's tree bound back in, so the training user can run it (root's home on a
 node is then empty, as on a fresh machine).
@@ -45,14 +49,15 @@ Command line (as root)::
     python scripts/testbed/netns_nodes.py down /tmp/sim
 
 `up` first takes down what an earlier run of the same DIR left (a crashed benchmark). Needs root,
-iproute2 with `ip netns`, OpenSSH's sshd, ssh-keygen, useradd and sudo (Ansible becomes the user
-with it).
+iproute2 with `ip netns`, OpenSSH's sshd (installed, or its .deb in apt's cache), ssh-keygen,
+useradd and sudo (Ansible becomes the user with it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shlex
@@ -71,8 +76,6 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv"
-SSHD = "/usr/sbin/sshd"
-SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 #: Where each slot's owner (the DIR using it) is recorded, in the root namespace.
 SLOTS_DIR = Path("/run/ctsim")
 #: Clusters up at once at most (slot S uses 10.(77+S).0.0/16).
@@ -82,6 +85,20 @@ PER_BLOCK = 250
 #: How long every sshd gets to answer on port 22 after `up` started it.
 SSHD_READY_S = 30.0
 STATE = "cluster.json"
+
+
+def _sibling(name: str) -> Any:
+    """A module of this directory (loaded by path: scripts/testbed is not a package, and this file is
+    itself loaded by path by bench/scale.py and the tests)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+sshd_finder = _sibling("sshd_finder")
 
 
 class SetupError(RuntimeError):
@@ -95,8 +112,9 @@ def missing_requirements() -> str | None:
     for tool in ("ip", "ssh-keygen", "useradd", "userdel", "sudo", "ssh"):
         if shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin:" + os.environ.get("PATH", "")) is None:
             return f"simulated nodes need {tool} (not found)"
-    if not os.access(SSHD, os.X_OK):
-        return f"simulated nodes need OpenSSH's sshd at {SSHD} (apt-get install openssh-server)"
+    no_sshd = sshd_finder.missing()
+    if no_sshd:
+        return f"simulated nodes {no_sshd}"
     probe = f"ctsim-probe-{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
@@ -157,6 +175,8 @@ class Cluster:
     slot: int
     settings: dict[str, Any] = field(default_factory=dict)
     cgroup: Path | None = None
+    #: The nodes' sshd (found or unpacked by `up`).
+    sshd: Any = None
 
     @property
     def hosts(self) -> list[str]:
@@ -211,6 +231,7 @@ class Cluster:
         (self.root / STATE).write_text(json.dumps({"n": self.n, "slot": self.slot}))
         self._keys()
         self._user()
+        self._find_sshd()
         self._network()
         self._cgroup()
         self._sshds()
@@ -251,6 +272,14 @@ class Cluster:
         (authorized / self.user).write_text((key.with_suffix(".pub")).read_text())
         self.shared.mkdir(exist_ok=True)
         _run(["chown", "-R", f"{self.user}:{self.user}", str(self.home), str(self.shared)])
+
+    def _find_sshd(self) -> None:
+        try:
+            self.sshd = sshd_finder.find(self.root / "sshd")
+        except OSError as error:
+            raise SetupError(f"cannot unpack sshd: {error}; {sshd_finder.FIX}") from error
+        if self.sshd is None:
+            raise SetupError(f"simulated nodes {sshd_finder.missing()}")
 
     def _network(self) -> None:
         """The bridge, then every namespace with its veth pair, in two `ip -batch` calls and one per node."""
@@ -297,6 +326,11 @@ class Cluster:
             + "".join(f"{address} {name}\n" for name, address in self.addresses.items())
         )
         lines.append(f"mount --bind {shlex.quote(str(hosts))} /etc/hosts")
+        # After _user(): the copy holds the training user too.
+        passwd = sshd_finder.passwd_with_privsep_user()
+        if passwd is not None:
+            (self.root / "passwd").write_text(passwd)
+            lines.append(f"mount --bind {shlex.quote(str(self.root / 'passwd'))} /etc/passwd")
         if not Path("/run/sshd").is_dir():
             lines.append("mount -t tmpfs -o mode=0755 tmpfs /run && mkdir -m 0755 /run/sshd")
         hidden = self._hidden_interpreter_dir()
@@ -312,7 +346,7 @@ class Cluster:
                 f"mount --bind {q(str(stash))} {q(str(keep))}",
                 f"umount {q(str(stash))}",
             ]
-        lines.append(f'exec {SSHD} -f "$2" -E "${{2%/*}}/sshd.log"')
+        lines.append(f'exec {shlex.quote(self.sshd.path)} -f "$2" -E "${{2%/*}}/sshd.log"')
         script = self.root / "node.sh"
         script.write_text("\n".join(lines) + "\n")
         script.chmod(0o755)
@@ -331,19 +365,21 @@ class Cluster:
         node_dir = self.root / "nodes" / f"{i}"
         node_dir.mkdir(parents=True, exist_ok=True)
         config = node_dir / "sshd_config"
-        config.write_text(
-            f"ListenAddress {node_address(self.slot, i)}\n"
-            f"HostKey {self.ssh_dir / 'host_ed25519_key'}\n"
-            f"AuthorizedKeysFile {self.ssh_dir / 'authorized' / '%u'}\n"
-            f"PidFile {self._pidfile(i)}\n"
+        lines = [
+            f"ListenAddress {node_address(self.slot, i)}",
+            f"HostKey {self.ssh_dir / 'host_ed25519_key'}",
+            f"AuthorizedKeysFile {self.ssh_dir / 'authorized' / '%u'}",
+            f"PidFile {self._pidfile(i)}",
             # The keys live in a test directory (under /tmp, world-writable): not root's own files.
-            "StrictModes no\n"
-            "UsePAM no\n"
-            "PermitRootLogin prohibit-password\n"
-            "PasswordAuthentication no\n"
-            "KbdInteractiveAuthentication no\n"
-            f"Subsystem sftp {SFTP_SERVER}\n"
-        )
+            "StrictModes no",
+            "UsePAM no",
+            "PermitRootLogin prohibit-password",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            # sftp's server, and the helpers an unpacked sshd must be pointed at (sshd_finder).
+            *self.sshd.config_lines,
+        ]
+        config.write_text("\n".join(lines) + "\n")
         return config
 
     def _sshds(self) -> None:

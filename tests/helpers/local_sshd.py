@@ -4,49 +4,40 @@ privilege separation user and /run/sshd, which this machine may lack: it runs in
 of its own (unshare) where /etc/passwd has that user and /run is a fresh tmpfs, so nothing of the
 machine changes. Keys, config and known_hosts live in the test's directory.
 
-sshd is the one CLUSTERTRAIN_TEST_SSHD names, or OpenSSH's installed one (openssh-server), or else
-unpacked from the openssh-server package apt keeps in its cache (dpkg-deb -x into the test's dir:
-nothing installed, no daemon started; libwrap0's library alongside where that is missing too).
-Without any, or without root, the tests that need it are skipped, saying why."""
+The sshd is found by scripts/testbed/sshd_finder.py (shared with the simulated nodes of
+scripts/testbed/netns_nodes.py): the one CLUSTERTRAIN_TEST_SSHD names, or OpenSSH's installed one,
+or else unpacked from the openssh-server package apt keeps in its cache (dpkg-deb -x into the test's
+dir: nothing installed, no daemon started). Without any, or without root, the tests that need it are
+skipped, saying why and what to do."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-#: Names the sshd to run where it is not on the usual paths.
-SSHD_ENV = "CLUSTERTRAIN_TEST_SSHD"
+REPO = Path(__file__).resolve().parents[2]
 
 
-#: Where apt keeps the packages it downloaded.
-APT_ARCHIVES = Path("/var/cache/apt/archives")
+def _sshd_finder():
+    """scripts/testbed/sshd_finder.py, loaded by path (scripts/ is no package) under the name
+    netns_nodes gives it, so both use one module."""
+    if "sshd_finder" not in sys.modules:
+        path = REPO / "scripts" / "testbed" / "sshd_finder.py"
+        spec = importlib.util.spec_from_file_location("sshd_finder", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sshd_finder"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["sshd_finder"]
 
 
-def find_sshd(unpack_into: Path) -> str | None:
-    given = os.environ.get(SSHD_ENV)
-    if given:
-        return given
-    installed = shutil.which("sshd", path="/usr/sbin:/usr/local/sbin:" + os.environ.get("PATH", ""))
-    if installed:
-        return installed
-    debs = sorted(APT_ARCHIVES.glob("openssh-server_*.deb"))
-    if not debs or shutil.which("dpkg-deb") is None:
-        return None
-    root = unpack_into / "unpacked"
-    for deb in [debs[-1], *sorted(APT_ARCHIVES.glob("libwrap0_*.deb"))[-1:]]:
-        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
-    libraries = ":".join(sorted({str(lib.parent) for lib in root.rglob("lib*.so*")}))
-    wrapper = unpack_into / "sshd"
-    wrapper.write_text(
-        f'#!/bin/sh\nexport LD_LIBRARY_PATH={shlex.quote(libraries)}\nexec {root / "usr/sbin/sshd"} "$@"\n'
-    )
-    wrapper.chmod(0o755)
-    return str(wrapper)
+sshd_finder = _sshd_finder()
 
 
 def local_sshd(root: Path, alias: str = "node0") -> dict[str, str]:
@@ -54,9 +45,10 @@ def local_sshd(root: Path, alias: str = "node0") -> dict[str, str]:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("runs sshd as root in a mount namespace of its own (needs root and unshare)")
     root.mkdir(parents=True)
-    sshd = find_sshd(root)
-    if sshd is None:
-        pytest.skip(f"needs OpenSSH's sshd (openssh-server installed or in apt's cache, or {SSHD_ENV}=PATH)")
+    missing = sshd_finder.missing()
+    if missing:
+        pytest.skip(missing)
+    sshd = sshd_finder.find(root / "sshd")
     for name in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / name)], check=True)
     (root / "authorized_keys").write_text((root / "client_key.pub").read_text())
@@ -67,18 +59,15 @@ def local_sshd(root: Path, alias: str = "node0") -> dict[str, str]:
         f"AuthorizedKeysFile {root / 'authorized_keys'}\n"
         "StrictModes no\nUsePAM no\nPidFile none\nPermitRootLogin prohibit-password\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+        + "".join(f"{line}\n" for line in sshd.config_lines)
     )
-    passwd = Path("/etc/passwd").read_text()
-    if not any(line.startswith("sshd:") for line in passwd.splitlines()):
-        passwd += "sshd:x:64999:65534::/run/sshd:/usr/sbin/nologin\n"
-    (root / "passwd").write_text(passwd)
-    passwd_file, config, sessions = (
-        shlex.quote(str(root / name)) for name in ("passwd", "sshd_config", "sessions")
-    )
-    inner = (
-        f"mount --bind {passwd_file} /etc/passwd && mount -t tmpfs -o mode=0755 tmpfs /run"
-        f" && mkdir -m 0755 /run/sshd && exec {shlex.quote(sshd)} -i -f {config}"
-    )
+    config, sessions = (shlex.quote(str(root / name)) for name in ("sshd_config", "sessions"))
+    inner = "mount -t tmpfs -o mode=0755 tmpfs /run && mkdir -m 0755 /run/sshd"
+    passwd = sshd_finder.passwd_with_privsep_user()
+    if passwd is not None:  # a machine that never installed openssh-server lacks sshd's user
+        (root / "passwd").write_text(passwd)
+        inner = f"mount --bind {shlex.quote(str(root / 'passwd'))} /etc/passwd && {inner}"
+    inner += f" && exec {shlex.quote(sshd.path)} -i -f {config}"
     # Each connection's pid, kept through the execs: the sshd serving it (sshd_sessions).
     (root / "sessions").mkdir()
     proxy = root / "proxy.sh"
