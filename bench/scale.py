@@ -7,7 +7,8 @@ user, host keys pinned) and times, one round each:
 - `trainer launch -- true`: wall, controller CPU, controller peak memory, node CPU, and the SSH
   masters of the launch still alive when it returned;
 - following: `trainer launch -- sleep` once every node's command runs, the controller's CPU over a
-  window (--follow-s) as % of one core per node, and the nodes' CPU over the same window;
+  window (--follow-s) as % of one core per node, the nodes' CPU over the same window, and the
+  controller's memory over it (mean of the samples);
 - `trainer status` and `trainer stop` on that running job (the launcher still following it);
 - `trainer preflight --skip deepspeed` (its fast pass), with the failures its report counts;
 - for N <= 4: the bundled trainer (the embedded tiny GPT, on the CPU) from the command to rank 0's
@@ -18,7 +19,12 @@ Then the cost per added node of each column: the least-squares slope over the N 
 What is counted: the controller is every process the command starts (ansible-playbook, its forks,
 ssh and the SSH masters that detach from it), all in one cgroup v2 directory per command, so
 controller CPU is that cgroup's usage (without cgroup v2: the child's wait4 rusage, which misses
-the detached masters). Peak memory is the largest sum of their resident sets, sampled every 0.2 s.
+the detached masters). Memory, sampled every 0.2 s, is the sum of their proportional set sizes
+(PSS, /proc/PID/smaps_rollup): a page shared by k processes counts 1/k in each, so the copy-on-write
+pages every Ansible worker shares with ansible-playbook count once. The sum of their resident sets
+(RSS), which counts those pages again in every worker, is kept beside it in the JSON for comparison,
+and so is the memory their cgroup is charged less its page cache (anonymous and kernel memory, each
+page once; a cgroup v1 memory directory where cgroup v2 has no memory controller).
 Node CPU is every process of every node (netns_nodes' cgroup). The controller and all the nodes
 share this machine's cores: read the CPU columns as the work, not the wall as what a real cluster
 would see. Status and stop are measured on the running job once its launcher is ended (as after a launcher
@@ -85,12 +91,30 @@ class Measured:
 
     wall_s: float
     controller_cpu_s: float
-    peak_rss_mib: float
+    peak_pss_mib: float
     node_cpu_s: float
     rc: int
     masters_left: int = 0
     connections_left: int = 0
+    #: The largest sum of resident sets: what this column showed before (copy-on-write pages counted
+    #: in every worker), and the largest charge of the command's memory cgroup less its page cache.
+    peak_rss_sum_mib: float = 0.0
+    peak_charged_mib: float | None = None
     output: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """The controller's memory at one moment (MiB): see the module docstring."""
+
+    at: float
+    pss_mib: float
+    rss_sum_mib: float
+    charged_mib: float | None
+
+
+#: cgroup v1's memory hierarchy, for the charge where cgroup v2 has no memory controller (hybrid systems).
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 
 
 class ControllerGroup:
@@ -99,16 +123,37 @@ class ControllerGroup:
     def __init__(self, name: str) -> None:
         root = netns_nodes._cgroup2_root()
         self.path: Path | None = None
+        #: Where the group's memory is charged: this directory's memory.current, or a cgroup v1
+        #: memory directory of the same name; None where neither can be made.
+        self.memory: Path | None = None
         if root is not None:
             with contextlib.suppress(OSError):
                 (root / name).mkdir(exist_ok=True)
                 self.path = root / name
+        if self.path is not None and (self.path / "memory.current").exists():
+            self.memory = self.path
+        elif CGROUP_V1_MEMORY.is_dir():
+            with contextlib.suppress(OSError):
+                (CGROUP_V1_MEMORY / name).mkdir(exist_ok=True)
+                self.memory = CGROUP_V1_MEMORY / name
 
     def join(self) -> None:
         """preexec_fn: the child enters the group before it runs the command."""
-        if self.path is not None:
-            with open(self.path / "cgroup.procs", "w") as procs:
+        for directory in {self.path, self.memory} - {None}:
+            with open(directory / "cgroup.procs", "w") as procs:
                 procs.write(str(os.getpid()))
+
+    def charged_mib(self) -> float | None:
+        """The group's memory charge less its page cache (reclaimable), in MiB; None where unknown."""
+        if self.memory is None:
+            return None
+        try:
+            v2 = self.memory == self.path
+            usage = int((self.memory / ("memory.current" if v2 else "memory.usage_in_bytes")).read_text())
+            stat = dict(line.split() for line in (self.memory / "memory.stat").read_text().splitlines())
+            return (usage - int(stat["file" if v2 else "cache"])) / 2**20
+        except (OSError, ValueError, KeyError):
+            return None
 
     def cpu_s(self) -> float | None:
         if self.path is None:
@@ -146,15 +191,26 @@ class ControllerGroup:
             self.kill()
             with contextlib.suppress(OSError):
                 self.path.rmdir()
+        if self.memory is not None and self.memory != self.path:
+            with contextlib.suppress(OSError):
+                self.memory.rmdir()
 
 
-def _rss_mib(pids: list[int]) -> float:
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
+def _pss_and_rss_mib(pids: list[int]) -> tuple[float, float]:
+    """(sum of PSS, sum of RSS) of these processes in MiB, from /proc/PID/smaps_rollup."""
+    pss_kib = rss_kib = 0
     for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
-    return total / 2**20
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        for line in rollup.splitlines():
+            key, _, rest = line.partition(":")
+            if key == "Pss":
+                pss_kib += int(rest.split()[0])
+            elif key == "Rss":
+                rss_kib += int(rest.split()[0])
+    return pss_kib / 1024, rss_kib / 1024
 
 
 def _tree(pid: int) -> list[int]:
@@ -189,7 +245,7 @@ class Command:
         self.group = ControllerGroup(group)
         self.node_cpu_before = cluster.node_cpu_s()
         self.cpu_before = self.group.cpu_s()
-        self.peak_mib = 0.0
+        self.memory: list[MemorySample] = []
         self.lines: list[str] = []
         self.started = time.monotonic()
         env = dict(os.environ, PYTHONUNBUFFERED="1", TERM="dumb", COLUMNS="200")
@@ -222,8 +278,23 @@ class Command:
     def _sample(self) -> None:
         while self._sampling:
             pids = self.group.pids() if self.group.path is not None else _tree(self.proc.pid)
-            self.peak_mib = max(self.peak_mib, _rss_mib(pids))
+            pss, rss = _pss_and_rss_mib(pids)
+            self.memory.append(MemorySample(time.monotonic(), pss, rss, self.group.charged_mib()))
             time.sleep(0.2)
+
+    def peak(self, key: str) -> float | None:
+        """The largest sample of `key` (a MemorySample field) so far; None where never known."""
+        values = [getattr(s, key) for s in list(self.memory) if getattr(s, key) is not None]
+        return max(values, default=None)
+
+    def mean_between(self, start: float, end: float) -> dict[str, float | None]:
+        """Each memory figure's mean over the samples taken between two time.monotonic() values."""
+        window = [s for s in list(self.memory) if start <= s.at <= end]
+        means: dict[str, float | None] = {}
+        for key in ("pss_mib", "rss_sum_mib", "charged_mib"):
+            values = [getattr(s, key) for s in window if getattr(s, key) is not None]
+            means[key] = sum(values) / len(values) if values else None
+        return means
 
     def cpu_s(self) -> float:
         now = self.group.cpu_s()
@@ -244,7 +315,16 @@ class Command:
         self.group.remove()
         output = "".join(self.lines)
         return Measured(
-            wall, cpu, self.peak_mib, node_cpu, self.proc.returncode, masters, connections, output
+            wall,
+            cpu,
+            self.peak("pss_mib") or 0.0,
+            node_cpu,
+            self.proc.returncode,
+            masters,
+            connections,
+            self.peak("rss_sum_mib") or 0.0,
+            self.peak("charged_mib"),
+            output,
         )
 
     def exited(self) -> bool:
@@ -314,12 +394,18 @@ def measure_running_job(cluster: Any, tag: str, args: argparse.Namespace, result
     window = t1 - t0
     follow_node_rate = (node1 - node0) / window
     if "follow" not in args.skip:
+        memory = launch.mean_between(t0, t1)
         result["follow"] = {
             "window_s": window,
             "controller_core_pct": 100 * (cpu1 - cpu0) / window,
             "controller_core_pct_per_node": 100 * (cpu1 - cpu0) / window / cluster.n,
             "node_core_pct": 100 * follow_node_rate,
-            "peak_rss_mib": launch.peak_mib,
+            # Over the window, as it follows: what one followed node holds, start-up's peak aside.
+            "pss_mib": memory["pss_mib"],
+            "rss_sum_mib": memory["rss_sum_mib"],
+            "charged_mib": memory["charged_mib"],
+            "peak_pss_mib": launch.peak("pss_mib"),
+            "peak_rss_sum_mib": launch.peak("rss_sum_mib"),
         }
     # The launcher is ended here (it, its ansible-playbook and its SSH masters: its cgroup) and the job
     # keeps running on the nodes, as after a launcher that died: status and stop are then measured
@@ -448,7 +534,7 @@ TABLES = {
         [
             ("wall s", "wall_s", "{:.1f}"),
             ("ctl CPU s", "controller_cpu_s", "{:.2f}"),
-            ("ctl peak MiB", "peak_rss_mib", "{:.0f}"),
+            ("ctl peak PSS MiB", "peak_pss_mib", "{:.0f}"),
             ("node CPU s", "node_cpu_s", "{:.1f}"),
             ("masters left", "masters_left", "{:.0f}"),
             ("ssh conns left", "connections_left", "{:.0f}"),
@@ -460,7 +546,10 @@ TABLES = {
             ("ctl % core", "controller_core_pct", "{:.1f}"),
             ("ctl % core/node", "controller_core_pct_per_node", "{:.2f}"),
             ("node % core", "node_core_pct", "{:.1f}"),
-            ("ctl peak MiB", "peak_rss_mib", "{:.0f}"),
+            ("ctl PSS MiB", "pss_mib", "{:.0f}"),
+            ("ctl RSS sum MiB", "rss_sum_mib", "{:.0f}"),
+            ("ctl charged MiB", "charged_mib", "{:.0f}"),
+            ("ctl peak PSS MiB", "peak_pss_mib", "{:.0f}"),
         ],
     ),
     "status": (
@@ -468,7 +557,7 @@ TABLES = {
         [
             ("wall s", "wall_s", "{:.1f}"),
             ("ctl CPU s", "controller_cpu_s", "{:.2f}"),
-            ("ctl peak MiB", "peak_rss_mib", "{:.0f}"),
+            ("ctl peak PSS MiB", "peak_pss_mib", "{:.0f}"),
             ("node CPU s", "node_cpu_s", "{:.1f}"),
         ],
     ),
@@ -477,7 +566,7 @@ TABLES = {
         [
             ("wall s", "wall_s", "{:.1f}"),
             ("ctl CPU s", "controller_cpu_s", "{:.2f}"),
-            ("ctl peak MiB", "peak_rss_mib", "{:.0f}"),
+            ("ctl peak PSS MiB", "peak_pss_mib", "{:.0f}"),
             ("node CPU s", "node_cpu_s", "{:.1f}"),
         ],
     ),
@@ -486,7 +575,7 @@ TABLES = {
         [
             ("wall s", "wall_s", "{:.1f}"),
             ("ctl CPU s", "controller_cpu_s", "{:.2f}"),
-            ("ctl peak MiB", "peak_rss_mib", "{:.0f}"),
+            ("ctl peak PSS MiB", "peak_pss_mib", "{:.0f}"),
             ("node CPU s", "node_cpu_s", "{:.1f}"),
             ("failures", "failures", "{:.0f}"),
             ("ssh failures", "ssh_failures", "{:.0f}"),
@@ -508,7 +597,7 @@ def slopes(results: list[dict]) -> dict[str, dict[str, float]]:
     fitted: dict[str, dict[str, float]] = {}
     for part, (_, columns) in TABLES.items():
         for _, key, _ in columns:
-            points = [(r["n"], r[part][key]) for r in results if part in r and key in r[part]]
+            points = [(r["n"], r[part][key]) for r in results if r.get(part, {}).get(key) is not None]
             value = slope(points)
             if value is not None:
                 fitted.setdefault(part, {})[key] = value
@@ -525,7 +614,9 @@ def table(results: list[dict], fitted: dict) -> str:
         out += [f"\n{title}\n", "| N | " + " | ".join(c[0] for c in columns) + " |"]
         out.append("|---" * (len(columns) + 1) + "|")
         for r in rows:
-            cells = [fmt.format(r[part][key]) if key in r[part] else "" for _, key, fmt in columns]
+            cells = [
+                fmt.format(r[part][key]) if r[part].get(key) is not None else "" for _, key, fmt in columns
+            ]
             out.append(f"| {r['n']} | " + " | ".join(cells) + " |")
         per_node = fitted.get(part, {})
         if per_node:

@@ -13,9 +13,8 @@ What bounds the forks, measured on a 2-core, 23 GiB controller (ansible-core 2.1
   its results and of each worker; 38 at 8 nodes, 70 at 16), and every worker inherits them, so one
   process needs about FILES_PER_NODE per node against RLIMIT_NOFILE. The launcher raises its soft
   limit to the hard one first (`raise_open_file_limit`; its children inherit it);
-- memory: a worker's private memory once it runs (12.6 to 13.8 MB; copy-on-write pages of
-  ansible-playbook that Python's reference counts touch), plus the node's SSH master and the ssh
-  client of each poll: BYTES_PER_NODE, against half of MemAvailable;
+- memory: what the controller's processes take per followed node (the node's worker, its SSH
+  master, the ssh client of each poll): BYTES_PER_NODE, against half of MemAvailable;
 - CPU: following costs the controller a little per node (docs/scale.md); NODES_PER_CPU nodes per
   core keep following under half of each core.
 """
@@ -31,9 +30,17 @@ from dataclasses import dataclass
 FILES_PER_NODE = 4
 #: Descriptors a run needs besides (Python, its imports, the runner's pipes, a worker's ssh client).
 FILES_RESERVED = 64
-#: Controller memory one followed node takes: its worker (13 MB measured), its SSH master and the
-#: ssh client of a poll, rounded up.
-BYTES_PER_NODE = 24 * 2**20
+#: Controller memory one followed node takes. Measured with bench/scale.py (`launch -- sleep` on 2 to
+#: 64 simulated nodes, 2-core 23 GiB controller, ansible-core 2.19; two runs, load 4 to 39): while it
+#: follows, the PSS summed over the launch's processes (/proc/PID/smaps_rollup, every shared page
+#: split among its sharers) grows 17.7 and 18.9 MiB per added node (least squares over 2..32 and
+#: 8..64), and the memory its cgroup is charged less page cache (anonymous and kernel memory, each
+#: page once) 18.4 and 19.6 MiB; 1280 MiB PSS at 64 nodes. A worker's private pages are about 13 MiB
+#: of it (ansible-playbook's copy-on-write pages that Python's reference counts touch). The sum of
+#: resident sets grows 60 MiB per node: it counts the pages every worker still shares with
+#: ansible-playbook again in each, so it is not what the forks take from MemAvailable. 20 MiB: the
+#: largest growth measured, rounded up (tests/local/test_forks_memory.py measures it again).
+BYTES_PER_NODE = 20 * 2**20
 #: The share of MemAvailable the forks may take (the launcher, the OS and the user keep the rest).
 MEMORY_SHARE = 0.5
 #: Nodes one controller core follows (each costs it well under 0.2 % of a core; docs/scale.md).
