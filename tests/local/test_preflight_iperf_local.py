@@ -80,7 +80,12 @@ if first(command_lines(), lambda pid, line: step in line):
 with open(path, "w") as handle:
     handle.write(content)
 print(path, os.stat(path).st_uid, flush=True)
-wait_until(lambda lines: first(lines, lambda pid, line: step in line), step.decode())
+# Until the step runs, or the rounds are over without it: the rounds end each of their servers
+# themselves, and the stop step runs only for a server that outlived that (none, here).
+def step_or_rounds_over(lines):
+    rounds = first(lines, lambda pid, line: b"iperf_pair.py rounds" in line)
+    return first(lines, lambda pid, line: step in line) or not rounds
+wait_until(step_or_rounds_over, step.decode())
 """
 
 

@@ -76,6 +76,15 @@ def format_matrix(nodes: list[str], cells: list[list[float | None]]) -> str:
 #: A direction slower than this fraction of the median of every other measured direction is an
 #: outlier: one bad link (a cable, a shaper, a duplex mismatch), not a slow network.
 OUTLIER_FRACTION = 0.25
+#: The length of each test of the rounds (seconds, --iperf-seconds): short, since a link is sampled
+#: in every round and a pair that looks bad is measured again, longer (retest_seconds).
+DEFAULT_SECONDS = 1
+
+
+def retest_seconds(seconds: int) -> int:
+    """The length of a second measurement of a pair that looked bad: three times the first, at least
+    3 s, so a slow start or a burst of other traffic on a busy host weighs less than in the first."""
+    return max(3, 3 * seconds)
 
 
 def outlier_medians(measured: dict[tuple[str, str], float | None]) -> dict[tuple[str, str], float]:
@@ -229,14 +238,26 @@ def measure(
     return found
 
 
-def retest_rounds(found: Measured, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The pairs with an outlier direction, scheduled again in rounds of disjoint pairs (as few as
-    fit), for one more measurement before they are called slow links; [] when there is none."""
-    outliers = outlier_medians(found.directions())
+def retest_rounds(
+    found: Measured, rounds: list[dict[str, Any]], threshold_gbit: float | None = None
+) -> list[dict[str, Any]]:
+    """The pairs with an outlier direction, and those below `threshold_gbit` while most measured pairs
+    are above it (one slow test on a busy host; when most are below, the network is slow and a second
+    test would say so again), scheduled again in rounds of disjoint pairs (as few as fit), for one more
+    measurement before they are called slow; [] when there is none."""
+    directions = found.directions()
+    bad = set(outlier_medians(directions))
+    if threshold_gbit is not None:
+        slowest = {pair: min((v for v in values[:2] if v is not None), default=None)
+                   for pair, values in found.pairs.items() if not values[2]}  # fmt: skip
+        slow = {pair for pair, value in slowest.items() if value is not None and value < threshold_gbit}
+        answered = len(slowest)
+        if len(slow) * 2 < answered:
+            bad |= slow
     again: list[tuple[set[str], list[dict[str, Any]]]] = []  # (nodes busy in the round, its pairs)
     for pair in (p for r in rounds for p in r["pairs"]):
         ends = {pair["client"], pair["server"]}
-        if not {(pair["client"], pair["server"]), (pair["server"], pair["client"])} & outliers.keys():
+        if not {(pair["client"], pair["server"]), (pair["server"], pair["client"])} & bad:
             continue
         busy, pairs = next(((b, p) for b, p in again if not b & ends), (set(), []))
         if not pairs:

@@ -177,19 +177,26 @@ def _bandwidth_verdicts(found: Found) -> list[Result]:
 
 def _measure_again(found: Found, measured, rounds: list[dict]):
     """(rounds, what they measured) for the pairs with a link far below the others, measured once more."""
-    again = bandwidth.retest_rounds(measured, rounds)
+    again = bandwidth.retest_rounds(measured, rounds, found.bandwidth_threshold_gbit)
     if not again:
         return [], bandwidth.Measured()
     pairs = ", ".join(f"{p['client']} <-> {p['server']}" for r in again for p in r["pairs"])
-    print(f"  ... iperf3 again for {pairs}: far below the other links", flush=True)
     args = found.args
+    seconds = bandwidth.retest_seconds(args.iperf_seconds)
+    print(
+        f"  ... iperf3 again for {pairs} ({seconds} s each): far below the other links or the threshold",
+        flush=True,
+    )
+    # Only the hosts of these pairs: the others would only log in and skip.
+    hosts = sorted({p[end] for r in again for p in r["pairs"] for end in ("client", "server")})
     probes = probe.run_probes(
         found.cluster,
         ["bandwidth"],
-        args.iperf_seconds,
+        seconds,
         token=found.token,
         io_timeout_s=args.io_timeout,
         rounds=again,
+        limit=hosts,
     )
     servers = probes.outputs.get(probe.IPERF_SERVER, {})
     return again, bandwidth.measure(

@@ -27,6 +27,7 @@ from typing import Any
 
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
+from trainer.controller.preflight import bandwidth
 from trainer.controller.preflight.checks import CHECKS, PROBE_CHECKS
 from trainer.controller.preflight.report import FAIL, PASS, SKIP, WARN, Report, Result, format_result
 
@@ -78,7 +79,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="fail when a node's clock is further than this from the head's (default 1.0)",
     )
-    parser.add_argument("--iperf-seconds", type=int, default=3, help="length of each iperf3 test (default 3)")
+    parser.add_argument(
+        "--iperf-seconds",
+        type=int,
+        default=bandwidth.DEFAULT_SECONDS,
+        help=f"length of each iperf3 test of the rounds (default {bandwidth.DEFAULT_SECONDS}); a pair far "
+        "below the others is measured again for three times as long (at least 3 s)",
+    )
     parser.add_argument(
         "--full-matrix",
         action="store_true",

@@ -23,6 +23,9 @@ ANSIBLE_ENV = {"ANSIBLE_PIPELINING": "True", "ANSIBLE_NOCOLOR": "True"}
 #: Task names in preflight.yml whose stdout is JSON.
 NODE_FACTS = "Preflight | node facts"
 UFW = "Preflight | ufw status"
+#: Its first line of stdout is the user Ansible runs as; where that is root, ufw's status follows
+#: (preflight.yml): the UFW probe's output is taken from there.
+WHOAMI = "Who Ansible runs as"
 SSH = "Preflight | ssh to peers"
 LISTENER = "Preflight | head listener"
 CLIENT = "Preflight | head client"
@@ -218,7 +221,9 @@ def run_probes(
     rounds: list[dict[str, Any]] | None = None,
     facts: bool = False,
     full: bool = False,
+    limit: list[str] | None = None,
 ) -> Probes:
+    """`limit`: only these hosts (a re-measure of some pairs: the others have nothing to run)."""
     from trainer.controller.runner import run_playbook  # imported here: ansible-runner is heavy
 
     variables = extravars(cluster, checks, iperf_seconds, token, model_dir, io_timeout_s, rounds, facts, full)
@@ -227,6 +232,7 @@ def run_probes(
         cluster.inventory,
         extravars=variables,
         on_event=on_event,
+        limit=",".join(limit) if limit else None,
         timeout_s=time_limit_s(cluster, checks, iperf_seconds, io_timeout_s, full),
         env=ANSIBLE_ENV | {"ANSIBLE_FORKS": str(forks(cluster))},
     )
@@ -241,6 +247,10 @@ def run_probes(
             continue
         if item.task == UFW:
             probes.outputs.setdefault(UFW, {})[item.host] = item.result
+            continue
+        if item.task == WHOAMI:
+            if "ufw" in checks and (ufw := ufw_after_whoami(item.result)) is not None:
+                probes.outputs.setdefault(UFW, {})[item.host] = ufw
             continue
         stdout = str(item.result.get("stdout") or "").strip()
         if item.result.get("rc") not in (0, None) or not stdout:
@@ -260,6 +270,15 @@ def run_probes(
         else:
             probes.outputs.setdefault(item.task, {})[item.host] = parsed
     return probes
+
+
+def ufw_after_whoami(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The ufw status the whoami task read where Ansible is root (as the ufw task's own result:
+    rc, stdout, stderr), or None where it is not (the ufw task ran there)."""
+    user, _, rest = str(result.get("stdout") or "").partition("\n")
+    if user.strip() != "root":
+        return None
+    return {"rc": result.get("rc"), "stdout": rest, "stderr": str(result.get("stderr") or ""), "msg": ""}
 
 
 def cleanup(cluster: Cluster, token: str, locks_newer_than: float | None = None) -> str:

@@ -11,11 +11,14 @@ a port of its own, so a client running ahead never takes a server meant for anot
 
 server: `iperf3 -s -1` bound to this node's cluster address on a comm-range port, started as a child
 in its own session (it outlives this script) and reported started only once it listens; it exits
-after one test. It prints its pid and start time, which the playbook hands to `stop`, and `stop`
-kills that process only if it still is that server (same start time, iperf3, this account's): no
-pidfile, so nothing another account can plant in a shared temp dir decides what gets signalled,
-and nodes that share /tmp do not collide. client: `iperf3 -c --bidir -J`, retried briefly in case
-the server is still starting (it starts in the same task). Prints JSON; never fails.
+after one test. It prints its pid and start time; `rounds` waits for that server's test, then ends
+it with `stop`, which kills that process only if it still is that server (same start time, iperf3,
+this account's): no pidfile, so nothing another account can plant in a shared temp dir decides what
+gets signalled, and nodes that share /tmp do not collide. `rounds` prints, as `started`, any server
+that outlived that (none unless a kill did not take: a preflight stopped midway is cleaned up by the
+marker in every probe's environment, cleanup.yml). client:
+`iperf3 -c --bidir -J`, retried every CONNECT_RETRY_S until its server listens (up to PEER_WITHIN_S
+in `rounds`). Prints JSON; never fails.
 """
 
 import argparse
@@ -46,6 +49,8 @@ LISTEN_WITHIN_S = 15
 #: previous round, or (the first round) its task may have started later, Ansible starting one node's
 #: task after another. Only a pair that fails waits this long.
 PEER_WITHIN_S = 60
+#: Pause between a refused client's tries.
+CONNECT_RETRY_S = 0.2
 
 
 def start_time(pid):
@@ -115,7 +120,9 @@ def client(args):
         refused = "unable to connect" in str(result.get("error", ""))
         if rc == 127 or not refused or time.monotonic() > deadline:
             break
-        time.sleep(0.5)
+        # Each try is one short iperf3 client refused at once: try often, so a pair meets soon after
+        # its server listens (a round lasts about a second of test).
+        time.sleep(CONNECT_RETRY_S)
     end = result.get("end", {})
     # Keep only the summary: the per-interval data would bloat the event stream.
     keep = {k: end[k] for k in ("sum_received", "sum_received_bidir_reverse", "sum_sent") if k in end}
@@ -195,8 +202,11 @@ def rounds(args):
                     **_timed(began, step_began),
                 }
             )
-    # [pid, start_time] of each server started, for the stop task (the playbook passes them on).
-    started = [[s["pid"], s["start_time"]] for s in servers if s.get("pid")]
+    # [pid, start_time] of each server that outlived its round's own stop (none, unless a kill did not
+    # take): `stop --servers` takes this list. The playbook has no stop task: each server is ended
+    # here, and a stop task skipped on every node still cost the controller a task per node.
+    alive = [s for s in servers if s.get("pid") and still_our_server(s["pid"], s["start_time"])]
+    started = [[s["pid"], s["start_time"]] for s in alive]
     return {"servers": servers, "clients": clients, "started": started}
 
 
