@@ -100,6 +100,59 @@ def launch_env() -> dict[str, str]:
     return {**LAUNCH_ENV, "ANSIBLE_FORKS": str(forks.fork_limit())}
 
 
+def start_calls(extravars: dict[str, Any]) -> None:
+    """Give each node of start.yml's extra variables its probe's and its start's arguments (`probe`,
+    `start`: request, timeout, the watch's settings), made here rather than by a template per value in
+    the tasks: Ansible compiles every template of a task's arguments again in each host's worker
+    (the forked ansible-playbook that runs the task), 37 templates for a probe and 53 for a start, most
+    of the controller's CPU per node. The head's differ: its master port, the run's lock (where its
+    probe takes it), the launch's files and record."""
+    head = extravars["launch_head"]
+    lock = extravars["launch_lock_request"] if extravars["launch_lock_in_probe"] else {}
+    for host, node in extravars["launch_nodes"].items():
+        is_head = host == head
+        node["probe"] = {
+            "timeout_s": extravars["launch_command_timeout_s"],
+            "request": {
+                "need": extravars["launch_venv_needs"],
+                "address": node["address"],
+                "iface_auto": node["ifname_auto"],
+                "port": extravars["launch_master_port"] if is_head else 0,
+                "node_dir": node["node_dir"],
+                "run_name": extravars["launch_run_name"],
+                "training_user": extravars["launch_training_user"],
+                "check": node["check"],
+                "lock": lock if is_head else {},
+            },
+        }
+        node["start"] = {
+            # The request holds the secret variables and the config's webhook URL: never an argument.
+            "secret": extravars["launch_has_secrets"],
+            "timeout_s": extravars["launch_command_timeout_s"] + 60,
+            "request": {
+                "node_dir": node["node_dir"],
+                "launch_id": extravars["launch_id"],
+                "launch_dir": extravars["launch_dir"],
+                "files": extravars["launch_files"] if is_head else {},
+                "secret_env": node["secret_env"],
+                "run_sh": node["run_sh"],
+                "wait_for": node["wait_for"],
+                "info": extravars["launch_info"],
+                "record": extravars["launch_record"] if is_head else {},
+                "reuse": extravars["launch_reuse"],
+            },
+            "follow": {
+                "poll_s": extravars["launch_poll_s"],
+                "quiet_s": extravars["launch_quiet_s"],
+                "timeout_s": extravars["launch_status_timeout_s"],
+                "give_up_s": extravars["launch_give_up_s"],
+                # Only rank 0's lines are shown as they come: a worker's poll answers on its trainer's
+                # end or after launch_quiet_s, one round trip per node every few seconds.
+                "request": {"node_dir": node["node_dir"], "offset": 0, "quiet": not is_head},
+            },
+        }
+
+
 def follow_problem(nodes: int) -> str | None:
     """Why this controller cannot follow `nodes` nodes at once (and so refuses the launch), or None."""
     return forks.limits().follow_problem(nodes)
@@ -366,6 +419,7 @@ class Launcher:
         start = playbook == "start.yml"
         prestarted = None
         if start:
+            start_calls(extravars)
             prestarted, self.prestarted = self.prestarted, None
         return run_playbook(
             PLAYBOOKS / playbook,

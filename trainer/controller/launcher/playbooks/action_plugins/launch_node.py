@@ -5,6 +5,8 @@
         op: probe            # lock | probe | check | start | status | watch | stop | pids | whoami
         python: /srv/venv/bin/python
         request: {...}       # the JSON request for files/node_ctl.py (see its docstring)
+        call: {...}          # or: request, timeout_s, secret, follow in one value (start.yml: the
+                             # launcher's, one template per task; `venv` goes into a probe's request)
 
 Every op but `whoami` runs the node's python with a short bootstrap and the request on stdin, the
 helper's own text included: no module is built (AnsiballZ costs a second or more per task on a busy
@@ -138,18 +140,32 @@ class ActionModule(ActionBase):
             "become_auto",
             "training_user",
             "follow",
+            "call",
+            "venv",
         )
     )
+    #: What `call` (a template's value: this node's arguments, made by the launcher) may hold.
+    _CALL_ARGS = frozenset(("request", "timeout_s", "secret", "follow"))
 
     def run(self, tmp: Any = None, task_vars: dict | None = None) -> dict:
         result = super().run(tmp, task_vars)
-        args = self._task.args
+        args = dict(self._task.args)
+        # `call`: this node's request and timeouts as the launcher made them (launch.start_calls), one
+        # template where the task had a template per value: Ansible compiles each template of a task's
+        # arguments again in every host's worker, the controller's main cost per node.
+        call = args.pop("call", None) or {}
+        if unknown := sorted(set(call) - self._CALL_ARGS):
+            result.update(failed=True, msg=f"launch_node: unknown call arguments {', '.join(unknown)}")
+            return result
+        args.update(call)
         op = args["op"]
         self._pending: threading.Thread | None = None
         self._box: dict[str, Any] = {}
         self._hostname = str((task_vars or {}).get("inventory_hostname") or "the node")
         timeout_s = float(args.get("timeout_s") or 60)
         request = dict(args.get("request") or {})
+        if args.get("venv") and op == "probe":
+            request["venv"] = args["venv"]
         # Whether a call uses the task's become: `become_auto` asks who Ansible connects as first (a
         # round trip in this task, where a `whoami` task of its own cost the controller a worker per
         # node) and becomes the training user only from another account.
