@@ -525,6 +525,11 @@ def _check_in_subnet(hosts: Mapping[str, Mapping], out: Problems) -> None:
             )
 
 
+#: More processes per node than any machine has GPUs or cores for: a typo, refused before the plan
+#: lists each rank.
+MAX_PROCS_PER_NODE = 1024
+
+
 def _check_accelerators(
     hosts: Mapping[str, Mapping], head: str | None, provision: bool, out: Problems
 ) -> None:
@@ -533,10 +538,13 @@ def _check_accelerators(
         if "cluster_accelerators" not in hv:
             continue
         count = _as_int(hv["cluster_accelerators"])
-        if count is None or count < 0:
+        if count is None or count < 0 or count > MAX_PROCS_PER_NODE:
+            # Too many is refused too: without training_procs_per_node the launcher starts one process
+            # per GPU, and the plan lists each rank.
             out.add(
                 name,
-                f"cluster_accelerators is {hv['cluster_accelerators']!r}; fix: use the GPU count, 0 or more",
+                f"cluster_accelerators is {hv['cluster_accelerators']!r}; fix: use the GPU count, 0 to "
+                f"{MAX_PROCS_PER_NODE}",
             )
             continue
         counts[name] = count
@@ -568,6 +576,14 @@ def _check_accelerators(
         procs = _as_int(hv["training_procs_per_node"])
         if procs is None or procs < 1:
             out.add(name, f"training_procs_per_node is {hv['training_procs_per_node']!r}; fix: use 1 or more")
+        elif procs > MAX_PROCS_PER_NODE:
+            # The plan lists every rank: a typo of 2**31 made `trainer plan` take all the controller's
+            # memory (24 GB) before any rule spoke (found by tests/unit/controller/test_inventory_fuzz.py).
+            out.add(
+                name,
+                f"training_procs_per_node is {procs}; fix: use one process per GPU (or per CPU core on a "
+                f"CPU-only host), at most {MAX_PROCS_PER_NODE}",
+            )
         elif provision and counts.get(name) and procs > counts[name]:
             out.add(
                 name,

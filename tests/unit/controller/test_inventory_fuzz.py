@@ -182,6 +182,9 @@ def test_an_address_with_a_scope_id_is_refused_for_every_address_variable(var, a
 @example(var="cluster_shared_dir", value="/srv/share *(rw,no_root_squash,insecure)", place="group_vars")
 @example(var="cluster_shared_dir", value="/", place="group_vars")
 @example(var="training_zero_stage", value=0, place="group_vars")
+# A typo of 2**31 processes per node took 24 GB of the controller before any rule spoke.
+@example(var="training_procs_per_node", value=2**31, place="group_vars")
+@example(var="cluster_accelerators", value=2**31, place="group_vars")
 @example(var="cluster_nccl_timeout_s", value=5, place="group_vars")
 @example(var="cluster_training_user", value="{{ undefined_variable }}", place="group_vars")
 def test_plan_accepts_or_refuses_naming_the_variable_and_writes_nothing(var, value, place, capsys):
