@@ -83,3 +83,14 @@ def test_each_node_gets_its_own_script_secrets_and_dir_with_the_launch_s_setting
             "request": {"node_dir": node["node_dir"], "offset": 0, "quiet": rank != 0},
         }
         assert f"secret-{rank}" not in str(probe), "the probe is never given the secrets"
+
+
+def test_the_secrets_scripts_and_files_travel_once_inside_the_start():
+    extravars = _extravars(lock_in_probe=False)
+    start_calls(extravars)
+    rest = {key: value for key, value in extravars.items() if key != "launch_nodes"}
+    rest["nodes"] = [
+        {k: v for k, v in node.items() if k != "start"} for node in extravars["launch_nodes"].values()
+    ]
+    for value in ("secret-0", "secret-1", "echo 0", "echo 1", "x: 1", "engine", "attempt"):
+        assert value not in str(rest), f"{value!r} left outside the start's request"

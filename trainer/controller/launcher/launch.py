@@ -151,6 +151,11 @@ def start_calls(extravars: dict[str, Any]) -> None:
                 "request": {"node_dir": node["node_dir"], "offset": 0, "quiet": not is_head},
             },
         }
+        # Moved into the start, not copied: start.yml reads them nowhere else, and the values file the
+        # prestarted run reads would carry the secrets and scripts twice. The names stay (the prestarted
+        # run expects exactly LAUNCH_VARS).
+        node["secret_env"], node["run_sh"] = {}, ""
+    extravars.update(launch_files={}, launch_info={}, launch_record={})
 
 
 def follow_problem(nodes: int) -> str | None:
