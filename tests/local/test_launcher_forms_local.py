@@ -75,6 +75,23 @@ def test_plain_torchrun_forms_one_job_from_the_pet_environment(cluster, command)
     assert "world check: all 2 nodes joined the job" in out, out
 
 
+def test_a_job_shorter_than_the_poll_interval_is_still_seen_joined(cluster):
+    """An all-reduce that ends at once, followed every 30 s: the launcher's polls cannot catch its
+    connection to the head; the worker's own watcher (run.sh) must have."""
+    inventory, shared, workdir = cluster
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "launch", "-i", str(inventory), "--run-name", "short",
+         "--poll-interval", "30", "--env", "HOLD_S=0", "--", "torchrun", "allreduce.py"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert_one_world(workdir, out)
+    assert "world check: all 2 nodes joined the job" in out, out
+    node1 = shared / "runs" / "short" / "launch" / "node-1"
+    assert (node1 / "joined").read_text().strip() == (node1 / "launch-id").read_text().strip()
+
+
 def test_accelerate_without_config_file_gets_this_nodes_file_and_uses_gloo_on_cpu(cluster):
     inventory, shared, workdir = cluster
     rc, out = launch(inventory, "acc", "accelerate", "launch", "accelerate_allreduce.py")

@@ -494,8 +494,7 @@ class Launcher:
 
     @property
     def world_checked(self) -> bool:
-        """The bundled trainer knows its world; a user's command on one node has nothing to join."""
-        return not self.plan.runs_bundled_trainer and self.plan.topology.nnodes > 1
+        return self.plan.world_checked
 
     def monitor(self, view: LiveView) -> JobMonitor:
         topo = self.plan.topology

@@ -76,6 +76,12 @@ class JobPlan:
         return not self.user_command
 
     @property
+    def world_checked(self) -> bool:
+        """Whether the launcher checks that the workers join the head's job (world.py): the bundled
+        trainer knows its world; a user's command on one node has nothing to join."""
+        return not self.runs_bundled_trainer and self.topology.nnodes > 1
+
+    @property
     def overruled(self) -> list[str]:
         """One line per config value that overrules what a lower layer set (config_sources.notes);
         the bundled trainer's only: a user's own command does not read the trainer config."""

@@ -78,6 +78,16 @@ def run_script(plan: JobPlan, node: Node, host: str) -> str:
         f'  "$(hostname)" {workdir} {shlex.quote(command_line)} >> log',
         f"( cd {workdir} && exec {command_line} ) >> log 2>&1 < /dev/null &",
         "child=$!",
+    ]
+    if plan.world_checked and node.node_rank > 0:
+        python = str(PurePosixPath(plan.training_venv) / "bin" / "python3")
+        lines += [
+            "# The world check: the command's processes watched for a connection to the head a few times a",
+            "# second until it is seen (a short job joins and ends between two of the launcher's polls).",
+            f'env -u CLUSTERTRAIN_LAUNCH_ID {shlex.quote(python)} -I -S node_ctl.py "$PWD" watch-join \\',
+            "  < /dev/null > /dev/null 2>&1 &",
+        ]
+    lines += [
         "# A stop (TERM to the group) reaches the command directly; this shell only records how it ended.",
         "trap 'true' TERM INT HUP",
         "while :; do",

@@ -24,6 +24,8 @@ copied first (one round trip per step, and no secret on a command line):
   and KILL to whatever is left after the grace period.
 
 By hand (the copy `start` leaves in the node dir): `python node_ctl.py NODE_DIR status|stop|pids`.
+A worker's run.sh also starts `node_ctl.py NODE_DIR watch-join` beside a user's command (the world
+check; see `watch_join`).
 
 torchrun puts every worker in a session of its own, so a signal to run.sh's process group does not
 reach them: every process of the launch carries CLUSTERTRAIN_LAUNCH_ID (from `launch-id`) in its
@@ -62,6 +64,8 @@ TAG_VARIABLE = "CLUSTERTRAIN_LAUNCH_ID"
 LINGER_S = 0.05
 #: How often a waiting status poll looks at the log and the exit record.
 WAIT_STEP_S = 0.05
+#: How often run.sh's join watcher (watch_join) scans this launch's connections on a worker.
+JOIN_WATCH_S = 0.25
 
 
 def _launch_id(node_dir: Path) -> str | None:
@@ -280,7 +284,8 @@ def status(
         "offset": next_offset,
         "launch_id": _launch_id(node_dir),
         "info": info,
-        "joined": joined(node_dir, info) if state == "running" else None,
+        # Once ended, what run.sh's watcher saw (a short job may join and end between two polls).
+        "joined": joined(node_dir, info) if state == "running" else seen_joined(node_dir) or None,
         "progress": progress(node_dir),
         "log_age_s": _log_age(node_dir),
         "time": time.time(),
@@ -313,16 +318,38 @@ def joined(node_dir: Path, info: dict | None) -> bool | None:
     head = (info or {}).get("world_check", {}).get("head_address")
     if not head or node_dir.name == "node-0":
         return None
-    marker = node_dir / "joined"
-    launch_id = _launch_id(node_dir)
-    with contextlib.suppress(OSError):
-        if marker.read_text().strip() == launch_id:
-            return True
+    if seen_joined(node_dir):
+        return True
     if not _connected_to(tagged_pids(node_dir), head):
         return False
     with contextlib.suppress(OSError):
-        write_file(marker, f"{launch_id}\n")
+        write_file(node_dir / "joined", f"{_launch_id(node_dir)}\n")
     return True
+
+
+def seen_joined(node_dir: Path) -> bool:
+    """Whether this launch's processes were seen connected to the head (the `joined` marker, written
+    by a status poll or by run.sh's watcher)."""
+    launch_id = _launch_id(node_dir)
+    try:
+        return launch_id is not None and (node_dir / "joined").read_text().strip() == launch_id
+    except OSError:
+        return False
+
+
+def watch_join(node_dir: Path, every_s: float = JOIN_WATCH_S) -> None:
+    """Started by a worker's run.sh beside a user's command: look for the connection to the head a few
+    times a second until it is seen or the command ends. A short job (a test, an all-reduce of a few
+    seconds) joins and ends between two of the launcher's polls; without this its join is never
+    seen and the world check can only say it could not tell. Its own environment carries no launch
+    tag, so it is not one of the launch's processes (tagged_pids), but it is in run.sh's process
+    group, so a stop ends it too."""
+    info = _read_json(node_dir / "launch.json")
+    runner = _pid(node_dir)
+    while not (node_dir / "exit").exists() and (runner is None or _alive(runner)):
+        if joined(node_dir, info) is not False:
+            return
+        time.sleep(every_s)
 
 
 def _connected_to(pids: list[int], address: str) -> bool:
@@ -921,6 +948,9 @@ def main() -> int:
         result = stop(node_dir, float(sys.argv[3]) if len(sys.argv) > 3 else 10.0)
     elif action == "pids":
         result = {"processes": [{"pid": pid, "command": _command(pid)} for pid in tagged_pids(node_dir)]}
+    elif action == "watch-join":
+        watch_join(node_dir)
+        return 0
     else:
         result = status(node_dir, offset=None, tail=20)
     print(json.dumps(result))
