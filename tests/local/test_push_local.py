@@ -124,15 +124,19 @@ def test_an_interrupted_push_resumes_where_it_stopped(cluster, tmp_path, how):
     else:
         proc.terminate()
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out + err
-    assert "run the same command again" in err
-    assert not (datasets / "big.bin").exists(), "a half-copied file must not sit under its name"
+    # What the shared dir holds, for every assertion's message (a failure once in CI under load).
+    held = sorted(f"{path.relative_to(datasets)} {path.stat().st_size}" for path in datasets.rglob("*"))
+    said = f"{out}{err}\nshared datasets/: {held}"
+    assert proc.returncode == 130, said
+    assert "run the same command again" in err, said
+    assert not (datasets / "big.bin").exists(), f"a half-copied file must not sit under its name; {said}"
     partial = datasets / ".push-partial" / "big.bin"
+    assert partial.is_file(), said
     kept = partial.stat().st_size
-    assert kept > 3_000_000
+    assert kept > 3_000_000, said
 
     again = push(inventory, str(data))
-    assert again.returncode == 0, again.stderr
+    assert again.returncode == 0, again.stdout + again.stderr
     assert "already there (resumed" in again.stdout, again.stdout
     assert f"data.path: {shared / 'datasets' / 'big.bin'}" in again.stdout
     assert (
