@@ -124,13 +124,18 @@ def test_an_interrupted_push_resumes_where_it_stopped(cluster, tmp_path, how):
     else:
         proc.terminate()
     out, err = proc.communicate(timeout=60)
+    partial = datasets / ".push-partial" / "big.bin"
+    # The far side's rsync keeps the partial file when the connection closes: moments after the local
+    # rsync has ended, later on a loaded machine (a user's next push comes seconds later).
+    deadline = time.monotonic() + 15
+    while not partial.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
     # What the shared dir holds, for every assertion's message (a failure once in CI under load).
     held = sorted(f"{path.relative_to(datasets)} {path.stat().st_size}" for path in datasets.rglob("*"))
     said = f"{out}{err}\nshared datasets/: {held}"
     assert proc.returncode == 130, said
     assert "run the same command again" in err, said
     assert not (datasets / "big.bin").exists(), f"a half-copied file must not sit under its name; {said}"
-    partial = datasets / ".push-partial" / "big.bin"
     assert partial.is_file(), said
     kept = partial.stat().st_size
     assert kept > 3_000_000, said

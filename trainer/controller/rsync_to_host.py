@@ -17,6 +17,7 @@ sides (xxh128 or MD5, as the two rsyncs agree) and must find nothing left to cop
 from __future__ import annotations
 
 import getpass
+import os
 import re
 import shlex
 import signal
@@ -34,6 +35,8 @@ from trainer.controller.inventory import Host
 PARTIAL_DIR = ".push-partial"
 #: Seconds between two progress lines when the output is not a terminal (a log, a test).
 PROGRESS_EVERY_S = 5.0
+#: How long an interrupted copy waits for the last rsync process (the one keeping the partial file).
+GROUP_EXIT_TIMEOUT_S = 30.0
 #: The connections this copy knows how to make; others are refused before anything runs.
 SSH, LOCAL = "ssh", "local"
 
@@ -197,8 +200,10 @@ def copy(
     progress: Callable[[str], None] | None = None,
 ) -> CopyStats:
     """rsync `source` (a dir ending in '/' copies its contents) to `destination` on the target, with
-    progress lines to `progress`; the stats, or CopyError with the cause and the fix. Ctrl-C reaches
-    rsync too (same process group); KeyboardInterrupt is raised once it has kept the partial file."""
+    progress lines to `progress`; the stats, or CopyError with the cause and the fix. On Ctrl-C (or TERM
+    or HUP turned into KeyboardInterrupt by the caller) rsync is stopped, and KeyboardInterrupt raised
+    once every local rsync process has ended (a local copy has kept its partial file by then; over ssh
+    the far side keeps it when the connection closes)."""
     command = [
         *target.rsync_base(),
         *_options(delete),
@@ -217,24 +222,44 @@ def copy(
         target.destination(destination),
     ]
     show = progress or (lambda line: None)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # rsync in a process group of its own: a Ctrl-C at the terminal reaches this process only, and
+    # rsync is then asked to stop once, at its top (below). When every rsync process got the terminal's
+    # SIGINT as well, their clean-ups raced; and its first process can end before the one that holds
+    # the half-copied file has moved it to the partial dir, so the group is waited for as a whole.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0)
     assert process.stdout is not None and process.stderr is not None
     try:
         output = _follow(process.stdout, show)
         errors = process.stderr.read().decode(errors="replace")
         code = process.wait()
     except KeyboardInterrupt:
-        # Ctrl-C at a terminal reached rsync as well; TERM or HUP to this process alone did not: rsync
-        # is asked to stop the way Ctrl-C asks, so that it keeps the partial file for the next copy.
+        # Ctrl-C, TERM or HUP to this process: rsync is asked to stop the way Ctrl-C asks, so that it
+        # keeps the partial file for the next copy.
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
         process.wait()
+        _wait_for_group(process.pid)
         raise
     if code == 20:  # rsync: "received SIGUSR1 or SIGINT"
+        _wait_for_group(process.pid)
         raise KeyboardInterrupt
     if code != 0:
         raise CopyError(describe_failure(code, errors))
     return CopyStats.parse(output)
+
+
+def _wait_for_group(pgid: int, timeout_s: float = GROUP_EXIT_TIMEOUT_S) -> None:
+    """Wait until no process is left in rsync's process group (its receiver moving the partial file
+    into place), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:  # the training account's rsync under sudo: still there
+            pass
+        time.sleep(0.05)
 
 
 def compare(target: Target, source: str, destination: str) -> Difference:
