@@ -8,9 +8,11 @@ no role at all. Each test changes a node the way a user (or NFS) would, runs sit
 converged check on (-e converged_full_run=false, as a user's inventory has it; the bed's inventory
 turns it off) and checks what the user would see: the roles run and put the node right.
 
-Every test starts with a full run (it writes the record the check compares with) and leaves the bed
-as it found it: what it changed on a node is undone, and a full run puts back anything a failure
-left behind.
+Every test starts from a fresh record (the one the check compares with): the first one with a full
+run, the others with a run that has the check on (`fresh_record`), which is itself a full run that
+writes the record where the nodes differ from it, and a skip of seconds where the test before left
+it fresh (a full run on the bed takes about 1.5 min). Every test leaves the bed as it found it: what
+it changed on a node is undone, and a full run puts back anything a failure left behind.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def test_an_unreadable_ssh_dir_makes_a_full_run_that_restores_authorized_keys(
     assert "PermissionError" in denied.stderr, denied.stderr
     # A full run: the roles write ~/.ssh as the training user; the record keeps what root could read.
     out, _ = site("-e", "converged_full_run=true", inventories=(squashed_inventory,))
+    assert "Every role runs (converged_full_run)" in out
     assert "TASK [converged : Record it, with the cluster digest, root-only on each node]" in out
 
     # What NFS would not show root: the cluster key removed from the worker's authorized_keys.
@@ -127,6 +130,12 @@ def test_an_unreadable_ssh_dir_makes_a_full_run_that_restores_authorized_keys(
     full_run_after[0] = False  # that full run put the worker right; the wrapper goes with its fixture
 
 
+def fresh_record() -> None:
+    """Make every node's record match the node: a run with the converged check on either skips (the
+    record is fresh already) or is a full run, which writes it."""
+    site(*CONVERGED_ON)
+
+
 def port_ct_worker2_is_dialled_on() -> str:
     """The port ssh on the head uses for ct-worker2 (ssh -G: the client's settings, no connection)."""
     settings = on_node("ct-head", "ssh -G ct-worker2", user="trainer").stdout
@@ -134,7 +143,7 @@ def port_ct_worker2_is_dialled_on() -> str:
 
 
 def test_a_changed_sshd_port_makes_a_full_run_that_moves_the_other_nodes(full_run_after):
-    site("-e", "converged_full_run=true")
+    fresh_record()
     assert port_ct_worker2_is_dialled_on() == "2222"
 
     # ct-worker2's sshd also on 22 (Ansible keeps coming in on 2222): ssh_trust now derives 22 for
@@ -159,7 +168,7 @@ def test_a_changed_sshd_port_makes_a_full_run_that_moves_the_other_nodes(full_ru
 
 
 def test_targeted_runs_on_a_converged_cluster_run_their_roles():
-    site("-e", "converged_full_run=true")
+    fresh_record()
     out, _ = site(*CONVERGED_ON)
     assert SKIPPED in out, "the control: a plain run of the untouched cluster is skipped"
 
@@ -182,7 +191,7 @@ def ufw_rules_in_kernel(host: str) -> str:
 def test_a_flushed_kernel_and_a_rule_added_by_hand_make_a_full_run_that_puts_the_firewall_right(
     full_run_after,
 ):
-    site("-e", "converged_full_run=true")
+    fresh_record()
     rules_in_kernel = ufw_rules_in_kernel("ct-worker1")
     assert int(rules_in_kernel) >= 3, "the control: SSH and the cluster's rules are in the kernel"
 

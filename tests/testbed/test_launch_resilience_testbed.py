@@ -77,7 +77,9 @@ def no_trainer_left(output: Path) -> None:
 
 def test_ssh_blocked_for_20_s_the_run_finishes(bed):
     inventory, run_name, output = bed
-    launcher = start(launch(inventory, run_name, "train.max_steps=200"))
+    # Long enough to outlast the block: the checkpoint at step 4, then 20 s blocked (a step takes 0.5
+    # to 1.5 s on the bed); 200 steps took 5.5 min of CI's time.
+    launcher = start(launch(inventory, run_name, "train.max_steps=80"))
     broken = False
     try:
         wait_for_checkpoint(launcher, output)
@@ -90,7 +92,7 @@ def test_ssh_blocked_for_20_s_the_run_finishes(bed):
     assert "[ct-worker2] node 2: done" in out, out
     if broken:  # the open connection broke at once: the state line said so meanwhile
         assert "[ct-worker2] node 2: unreachable (" in out and "ct-worker2 answers again after" in out, out
-    assert json.loads((output / "summary.json").read_text())["final_step"] == 200
+    assert json.loads((output / "summary.json").read_text())["final_step"] == 80
 
 
 def test_ssh_blocked_past_the_grace_stops_every_node_and_names_it(bed):
@@ -184,7 +186,9 @@ def test_sighup_to_the_launcher_stops_every_node(bed):
 
 def test_attach_after_kill_9_follows_the_run_to_its_end(bed):
     inventory, run_name, output = bed
-    launcher = start(launch(inventory, run_name, "train.max_steps=120"))
+    # Still running when attach comes in (seconds after the kill at the step-4 checkpoint); 120 steps
+    # took 4 min of CI's time.
+    launcher = start(launch(inventory, run_name, "train.max_steps=50"))
     try:
         wait_for_checkpoint(launcher, output)
     finally:
@@ -197,4 +201,4 @@ def test_attach_after_kill_9_follows_the_run_to_its_end(bed):
     out = attach.stdout + attach.stderr
     assert attach.returncode == 0, out
     assert f"done: run {run_name} finished on all 3 node(s)" in out, out
-    assert json.loads((output / "summary.json").read_text())["final_step"] == 120
+    assert json.loads((output / "summary.json").read_text())["final_step"] == 50
