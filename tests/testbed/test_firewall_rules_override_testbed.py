@@ -51,8 +51,8 @@ def test_check_diff_on_the_provisioned_bed_shows_the_group_vars_rule_and_changes
     wheelhouse = ENV.get("CLUSTERTRAIN_WHEELHOUSE", str(REPO / ".cache" / "wheelhouse"))
     before = {host: ufw_rules(host) for host in HOSTS}
     result = subprocess.run(
-        # The firewall's play only (the validate play always runs first): Molecule's `check` step
-        # already runs the whole site.yml in check mode on this bed.
+        # The firewall's play only (the validate play always runs first): the whole site.yml in check
+        # mode on the provisioned bed is test_converged_limits_testbed's targeted-runs test.
         [str(ANSIBLE_PLAYBOOK), "site.yml", "-i", str(inventory), "--tags", "firewall", "--check", "--diff"],
         cwd=REPO,
         env={**ENV, "ANSIBLE_NOCOLOR": "1", "CLUSTERTRAIN_WHEELHOUSE": wheelhouse},
