@@ -343,11 +343,14 @@ def watch_join(node_dir: Path, every_s: float = JOIN_WATCH_S) -> None:
     seconds) joins and ends between two of the launcher's polls; without this its join is never
     seen and the world check can only say it could not tell. Its own environment carries no launch
     tag, so it is not one of the launch's processes (tagged_pids), but it is in run.sh's process
-    group, so a stop ends it too."""
+    group, so a stop ends it too. It gives up a minute after the launcher's --world-timeout: by then
+    the launcher has judged the node (a script that never connects is not scanned for hours)."""
     info = _read_json(node_dir / "launch.json")
     runner = _pid(node_dir)
+    timeout_s = float((info or {}).get("world_timeout_s") or 600.0) + 60.0
+    deadline = time.monotonic() + timeout_s
     while not (node_dir / "exit").exists() and (runner is None or _alive(runner)):
-        if joined(node_dir, info) is not False:
+        if joined(node_dir, info) is not False or time.monotonic() > deadline:
             return
         time.sleep(every_s)
 
