@@ -863,6 +863,36 @@ def test_an_outlier_pair_is_measured_again_and_a_slow_first_test_alone_does_not_
     assert report["matrix"][2][0] == 9.3 and report["matrix"][3][1] == 0.3  # n3 -> n1, n4 -> n2
 
 
+def test_a_pair_measured_once_is_not_an_outlier_beside_the_retested_pairs_faster_second_tests():
+    """The bed's case under load: w2's egress shaped during the first rounds, so its two pairs are
+    measured again (fast then); head -> w1's one short test came out 3.1 Gbit/s, no outlier among the
+    first rounds' (w2's were slower), but 6x below the retested pairs' 19 to 20. It must not warn."""
+    nodes = ["head", "w1", "w2"]
+    rounds = _round_robin_of(nodes)
+    # w2 -> either 0.05 Gbit/s (shaped), either -> w2 2.0 (its ACKs shaped too); head <-> w1 20.8 and
+    # 3.1 (w1 -> head): 3.1 is no outlier beside the first rounds' median of 2.0.
+    speed = {("w2", "head"): 0.05, ("w2", "w1"): 0.05, ("head", "w2"): 2.0, ("w1", "w2"): 2.0}
+    speed.update({("head", "w1"): 20.8, ("w1", "head"): 3.1})
+    pairs = [(p["client"], p["server"]) for r in rounds for p in r["pairs"]]
+    values = {(c, s): (speed[(c, s)], speed[(s, c)]) for c, s in pairs}
+    clients = [{"client": c, "peer_name": s, **_iperf(*v)} for (c, s), v in values.items()]
+    found = bandwidth.measure(rounds, clients, {}, _no_answer)
+    again = bandwidth.retest_rounds(found, rounds, 0.2)
+    retested = {frozenset((p["client"], p["server"])) for r in again for p in r["pairs"]}
+    assert retested == {frozenset({"head", "w2"}), frozenset({"w1", "w2"})}
+    second = [
+        {"client": p["client"], "peer_name": p["server"], **_iperf(19.2, 19.9)}
+        for r in again
+        for p in r["pairs"]
+    ]
+    final = found.better_of(bandwidth.measure(again, second, {}, _no_answer))
+    results, _ = bandwidth.evaluate(nodes, rounds, final, 0.2, again, found)
+    assert [r.status for r in results] == [PASS] * 3, [r.detail for r in results]
+    # Without the first rounds to compare with, the once-measured 3.1 is called an outlier.
+    results, _ = bandwidth.evaluate(nodes, rounds, final, 0.2, again)
+    assert [r.status for r in results].count(WARN) == 1
+
+
 def test_pairs_measured_again_share_no_node_within_a_round():
     # 6 nodes, n1's links to n2 and n3 slow: the two pairs share n1, so two rounds of one pair.
     nodes6 = [f"n{i}" for i in range(1, 7)]

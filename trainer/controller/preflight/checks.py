@@ -163,7 +163,7 @@ def _bandwidth_verdicts(found: Found) -> list[Result]:
     measured = bandwidth.measure(rounds, found.probes.iperf, servers, found.missing(probe.IPERF_TEST))
     again, measured_again = _measure_again(found, measured, rounds)
     results, found.report.bandwidth = bandwidth.evaluate(
-        names, rounds, measured.better_of(measured_again), found.bandwidth_threshold_gbit, again
+        names, rounds, measured.better_of(measured_again), found.bandwidth_threshold_gbit, again, measured
     )
     pairs = sum(len(r["pairs"]) for r in rounds)
     print(
