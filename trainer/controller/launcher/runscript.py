@@ -80,7 +80,7 @@ def run_script(plan: JobPlan, node: Node, host: str) -> str:
         "child=$!",
     ]
     if plan.world_checked and node.node_rank > 0:
-        python = str(PurePosixPath(plan.training_venv) / "bin" / "python3")
+        python = str(PurePosixPath(plan.training_venv) / "bin" / "python")
         lines += [
             "# The world check: the command's processes watched for a connection to the head a few times a",
             "# second until it is seen (a short job joins and ends between two of the launcher's polls).",
