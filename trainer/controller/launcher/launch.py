@@ -341,7 +341,7 @@ class Launcher:
             "world_timeout_s": options.world_timeout_s,
             # A user's command on several nodes: each worker's node_ctl reports whether it connected
             # to the head (world.py judges it).
-            "world_check": {"head_address": plan.topology.master_addr} if self.world_checked else {},
+            "world_check": {"head_address": plan.topology.master_addr} if plan.world_checked else {},
             "micro_batch_size": plan.micro_batch_size if plan.runs_bundled_trainer else None,
             "gradient_accumulation_steps": plan.gradient_accumulation_steps
             if plan.runs_bundled_trainer
@@ -492,14 +492,10 @@ class Launcher:
 
     # --- one attempt --------------------------------------------------------------------------
 
-    @property
-    def world_checked(self) -> bool:
-        return self.plan.world_checked
-
     def monitor(self, view: LiveView) -> JobMonitor:
         topo = self.plan.topology
         world = None
-        if self.world_checked:
+        if self.plan.world_checked:
             world = WorldCheck(
                 workers=tuple(n.host for n in topo.nodes[1:]),
                 head=topo.head.host,
