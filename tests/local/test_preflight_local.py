@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import subreaper
 
 from trainer import exitcodes
 
@@ -246,10 +247,6 @@ def launch_processes(run_prefix: str = "preflight-deepspeed-") -> list[int]:
     return _processes_with(f"CLUSTERTRAIN_LAUNCH_ID={run_prefix}".encode())
 
 
-def marked_processes(token_variable: str = "CLUSTERTRAIN_PREFLIGHT=") -> list[int]:
-    return _processes_with(token_variable.encode())
-
-
 @pytest.mark.slow
 def test_a_stale_build_lock_is_named_and_the_deepspeed_job_not_started(tmp_path):
     inventory, lock = stale_lock_inventory(tmp_path)
@@ -296,22 +293,30 @@ def test_preflight_stopped_in_the_middle_leaves_nothing_running(tmp_path):
     report_path = tmp_path / "report.json"
     command = [*TRAINER, "preflight", "-i", str(inventory), "--report", str(report_path),
                "--skip", *NOT_HERE, "clock", "bandwidth", "deepspeed_ops"]  # fmt: skip
-    child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Under a subreaper: what the preflight leaves is found by descent, not only by its tags (CI runs
+    # other chunks' preflights at the same time, whose processes carry the same tags).
+    tags = ["CLUSTERTRAIN_LAUNCH_ID=preflight-deepspeed-", "CLUSTERTRAIN_PREFLIGHT="]
+    under_reaper = [sys.executable, subreaper.__file__, *tags, "--", *command]
+    wrapper = subprocess.Popen(under_reaper, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)  # fmt: skip
     seen = []
     try:
-        for line in child.stdout:  # wait until the job is in its (stuck) compile
+        preflight_pid = int(wrapper.stdout.readline())
+        for line in wrapper.stdout:  # wait until the job is in its (stuck) compile
             seen.append(line)
             if "deepspeed: compile" in line:
                 break
-        child.send_signal(signal.SIGTERM)
-        rest, _ = child.communicate(timeout=300)
+        # The job's processes are there, below the subreaper (else "none left" would prove nothing).
+        assert subreaper.left_behind(wrapper.pid, tags), "".join(seen)
+        os.kill(preflight_pid, signal.SIGTERM)
+        rest, _ = wrapper.communicate(timeout=300)
     finally:
-        if child.poll() is None:
-            child.kill()
+        if wrapper.poll() is None:
+            wrapper.kill()
     output = "".join(seen) + rest
-    assert child.returncode == 130, output
+    assert wrapper.returncode == 130, output
     assert "nothing of it is left running" in output
-    assert launch_processes() == [] and marked_processes() == []
+    assert output.splitlines()[-1] == "LEFT []", output[-2000:]
     shared = tmp_path / "shared"
     assert not list(shared.glob(".preflight-*")), "marker files left in the shared dir"
     report = json.loads(report_path.read_text())
