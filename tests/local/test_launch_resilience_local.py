@@ -472,6 +472,12 @@ def test_attach_restarts_a_failed_run_within_the_launchs_max_restarts(loopback, 
     )
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").exists(), "checkpoint", proc=launcher)
+        # node1's trainer held still until attach has adopted the run: on a loaded machine the 30 steps
+        # could otherwise end before attach is up, leaving nothing to kill (the other rank waits in
+        # its next all-reduce meanwhile).
+        victims = wait_for(lambda: trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=launcher)
+        for pid in victims:
+            os.kill(pid, signal.SIGSTOP)
     finally:
         launcher.kill()  # -9: the launch's --max-restarts 1 is left to attach
         launcher.wait()
@@ -486,7 +492,6 @@ def test_attach_restarts_a_failed_run_within_the_launchs_max_restarts(loopback, 
             "adoption",
             proc=attach,
         )
-        victims = wait_for(lambda: trainer_pids(run / "launch" / "node-1"), "node1 trainer", proc=attach)
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         out, _ = attach.communicate(timeout=600)
