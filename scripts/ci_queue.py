@@ -111,31 +111,38 @@ def work(side: str) -> int:
 
 
 def report() -> int:
+    """Printed in the order that CI's tail (the only part of the output CI shows) keeps best: what
+    failed and why first, then the slowest tests, and last the one-line-per-chunk times."""
     not_run = 0
     slowest: list[tuple[float, str]] = []
+    table: list[str] = []
     failed: list[tuple[str, list[str]]] = []  # (chunk, its log's lines)
-    print("== the bed-free chunks: who ran each, minutes, result")
     for index, (name, _) in enumerate(chunks()):
         done = QUEUE / f"{index:02d}.done.json"
         if not done.is_file():
-            print(f"  {name:<22} NOT RUN")
+            table.append(f"  {name:<22} NOT RUN")
             not_run += 1
             continue
         record = json.loads(done.read_text())
         result = "ok" if record["rc"] == 0 else f"FAILED rc={record['rc']}"
-        print(f"  {name:<22} {record['side']:<5} {record['seconds'] / 60:5.1f} min  {result}")
+        table.append(f"  {name:<22} {record['side']:<5} {record['seconds'] / 60:5.1f} min  {result}")
         lines = Path(record["log"]).read_text(errors="replace").splitlines()
         for line in lines:
             if match := re.match(r"(\d+\.\d+)s (call|setup|teardown)\s+(\S+)", line):
                 slowest.append((float(match.group(1)), f"{match.group(2):<8} {match.group(3)}"))
         if record["rc"] != 0:
             failed.append((f"{name} ({record['log']})", lines))
-    print("== the slowest bed-free tests")
-    for seconds, what in sorted(slowest, reverse=True)[:25]:
-        print(f"  {seconds:7.1f}s {what}")
     for chunk, lines in failed:
-        print(f"== the end of the failed chunk {chunk}")
-        print("\n".join(lines[-40:]))
+        # The assertion lines (pytest's `E `) say why; the summary's FAILED lines say which.
+        why = [line for line in lines if line.startswith("E ")][:30]
+        which = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+        print(f"== the failed chunk {chunk}: why, then which")
+        print("\n".join(why + which or lines[-40:]))
+    print("== the slowest bed-free tests")
+    for seconds, what in sorted(slowest, reverse=True)[:15]:
+        print(f"  {seconds:7.1f}s {what}")
+    print("== the bed-free chunks: who ran each, minutes, result")
+    print("\n".join(table))
     return 1 if not_run or failed else 0
 
 

@@ -30,16 +30,24 @@ fail() {
 }
 
 started=$SECONDS
+: >"$logs/times.txt"
+phase_done() {  # one line per phase in times.txt, which .ci/run prints last (CI shows only the tail)
+  echo "$1: $(( (SECONDS - phase_started) / 60 )) min $(( (SECONDS - phase_started) % 60 )) s" | tee -a "$logs/times.txt"
+  phase_started=$SECONDS
+}
+phase_started=$SECONDS
 # `--destroy never` also skips the sequence's first destroy: a bed left by an aborted run (or a
 # hand-made one) would be reused as is, so start from nothing explicitly.
 destroy
 "$testbed_dir/molecule.sh" test -s "$scenario" --destroy never 2>&1 | tee "$logs/molecule.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || fail "molecule test -s $scenario" "$logs/molecule.log"
+phase_done "molecule test -s $scenario"
 
 if [ "$scenario" = default ]; then
   # -rP: what passing tests print (preflight's wall times on the bed); --durations: where the time goes.
   "$repo_root/.venv/bin/pytest" -q -rP --durations=0 -m testbed "$@" 2>&1 | tee "$logs/pytest-testbed.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "pytest -m testbed" "$logs/pytest-testbed.log"
+  phase_done "pytest -m testbed"
 fi
 
 destroy
