@@ -142,31 +142,6 @@ def port_ct_worker2_is_dialled_on() -> str:
     return re.search(r"^port (\d+)$", settings, re.M).group(1)
 
 
-def test_a_changed_sshd_port_makes_a_full_run_that_moves_the_other_nodes(full_run_after):
-    fresh_record()
-    assert port_ct_worker2_is_dialled_on() == "2222"
-
-    # ct-worker2's sshd also on 22 (Ansible keeps coming in on 2222): ssh_trust now derives 22 for
-    # it, so the other nodes must dial 22. Undone as soon as the run has been checked.
-    on_node("ct-worker2", f"echo 'Port 22' > {PORT_DROP_IN} && systemctl restart ssh")
-    try:
-        out, _ = site(*CONVERGED_ON)
-        assert SKIPPED not in out, "the port ssh_trust derives for ct-worker2 changed"
-        # ct-worker2's reasons come last in the verdict; the inputs may have changed too (a checkout
-        # being edited), so the port is looked for among them, not first.
-        verdict = re.search(r"ct-worker2: .*sshd ports: 2222 -> (22 2222|2222 22)\b", out)
-        assert verdict, re.findall(r"Every role runs.*", out)
-        assert port_ct_worker2_is_dialled_on() == "22", "the head's ssh config follows the new port"
-        # its host key is pinned for 22 too: the login goes through
-        on_node("ct-head", "ssh -o BatchMode=yes ct-worker2 true", user="trainer")
-    finally:
-        on_node("ct-worker2", f"rm -f {PORT_DROP_IN} && systemctl restart ssh")
-    # The bed as it was: sshd on 2222 only, and the other nodes dialling 2222 again.
-    full_run_after[0] = False
-    site()
-    assert port_ct_worker2_is_dialled_on() == "2222"
-
-
 def test_targeted_runs_on_a_converged_cluster_run_their_roles():
     fresh_record()
     out, _ = site(*CONVERGED_ON)
@@ -188,23 +163,35 @@ def ufw_rules_in_kernel(host: str) -> str:
     return on_node(host, "iptables -S ufw-user-input | grep -c '^-A' || true").stdout.strip()
 
 
-def test_a_flushed_kernel_and_a_rule_added_by_hand_make_a_full_run_that_puts_the_firewall_right(
+def test_a_changed_sshd_port_a_flushed_kernel_and_a_hand_rule_make_a_full_run_that_puts_each_right(
     full_run_after,
 ):
+    """Three changes the record must see, on two nodes at once: one full run (about 1.5 min on the
+    bed) is judged for each; every change is named in the verdict and put right by that run."""
     fresh_record()
+    assert port_ct_worker2_is_dialled_on() == "2222"
     rules_in_kernel = ufw_rules_in_kernel("ct-worker1")
     assert int(rules_in_kernel) >= 3, "the control: SSH and the cluster's rules are in the kernel"
-
-    # ct-worker1: the rules flushed with iptables behind ufw's back (ufw's status, read from its
-    # files, still lists them). ct-worker2: a port opened to the world by hand, and a deny rule.
-    on_node("ct-worker1", "iptables -F ufw-user-input")
     assert "8888" not in on_node("ct-worker2", "ufw show added").stdout
+
+    # ct-worker2's sshd also on 22 (Ansible keeps coming in on 2222): ssh_trust now derives 22 for
+    # it, so the other nodes must dial 22. ct-worker1: the rules flushed with iptables behind ufw's
+    # back (ufw's status, read from its files, still lists them). ct-worker2: a port opened to the
+    # world by hand, and a deny rule. Undone as soon as the run has been checked.
+    on_node("ct-worker2", f"echo 'Port 22' > {PORT_DROP_IN} && systemctl restart ssh")
+    on_node("ct-worker1", "iptables -F ufw-user-input")
     on_node("ct-worker2", "ufw allow 8888/tcp comment 'by hand' && ufw deny 23")
     try:
         out, _ = site(*CONVERGED_ON)
-        assert SKIPPED not in out
-        verdict = re.search(r"ct-worker1: [^.]*kernel firewall: iptables-save exit 0: \d+ lines", out)
-        assert verdict, re.findall(r"Every role runs.*", out)
+        assert SKIPPED not in out, "the port ssh_trust derives for ct-worker2 changed, and the firewalls"
+        verdicts = re.findall(r"Every role runs.*", out)
+        # ct-worker2's reasons come last in the verdict; the inputs may have changed too (a checkout
+        # being edited), so each reason is looked for among them, not first.
+        assert re.search(r"ct-worker2: .*sshd ports: 2222 -> (22 2222|2222 22)\b", out), verdicts
+        assert re.search(r"ct-worker1: [^.]*kernel firewall: iptables-save exit 0: \d+ lines", out), verdicts
+        assert port_ct_worker2_is_dialled_on() == "22", "the head's ssh config follows the new port"
+        # its host key is pinned for 22 too: the login goes through
+        on_node("ct-head", "ssh -o BatchMode=yes ct-worker2 true", user="trainer")
         assert "firewall: ufw-user-input: " in out and "0 in the kernel (iptables): reloading ufw" in out
         assert ufw_rules_in_kernel("ct-worker1") == rules_in_kernel, "ufw reloaded its rules"
         added = on_node("ct-worker2", "ufw show added").stdout
@@ -212,11 +199,14 @@ def test_a_flushed_kernel_and_a_rule_added_by_hand_make_a_full_run_that_puts_the
         assert "ufw deny 23" in added, "a deny rule only narrows what is open: kept"
         assert "(item=ufw allow 8888/tcp comment 'by hand')" in out, "the removed rule is named"
     finally:
+        on_node("ct-worker2", f"rm -f {PORT_DROP_IN} && systemctl restart ssh")
         on_node("ct-worker2", "ufw delete deny 23", check=False)
-    # That run recorded the nodes as it left them, deny rule included; without it the next plain run
-    # is a full one again, and the firewall role, run on a right firewall, changes nothing.
+    # That run recorded the nodes as it left them (port 22, the deny rule); with both undone the next
+    # plain run is a full one again: the other nodes dial 2222 again, and the firewall role, run on a
+    # right firewall, changes nothing.
     out, _ = site(*CONVERGED_ON)
     assert SKIPPED not in out
+    assert port_ct_worker2_is_dialled_on() == "2222"
     assert role_tasks(out, "firewall") > 0
     assert {task for task in changed_tasks(out) if task.startswith("firewall :")} == set(), out[-3000:]
     full_run_after[0] = False
