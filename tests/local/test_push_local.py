@@ -107,15 +107,16 @@ def test_an_interrupted_push_resumes_where_it_stopped(cluster, tmp_path, how):
     inventory, shared, _ = cluster
     data = tmp_path / "big.bin"
     data.write_bytes(os.urandom(16_000_000))
-    # At 2 MB/s the copy takes 8 s: time to interrupt it on the way.
-    command = [sys.executable, "-m", "trainer", "push", "-i", str(inventory), str(data), "--bwlimit", "2000"]
+    # At 0.5 MB/s the copy takes 32 s, 30 of them after the first MB: time to interrupt it on the way
+    # even where this test gets little CPU (at 2 MB/s, CI's niced queue once saw it end first).
+    command = [sys.executable, "-m", "trainer", "push", "-i", str(inventory), str(data), "--bwlimit", "500"]
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     datasets = shared / "datasets"
     deadline = time.monotonic() + 60
     # rsync writes into a temporary file (.big.bin.XXXXXX) beside the destination while it copies.
-    while not any(path.stat().st_size > 3_000_000 for path in datasets.glob(".big.bin.*")):
+    while not any(path.stat().st_size > 1_000_000 for path in datasets.glob(".big.bin.*")):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no partial file grew within 60 s"
         time.sleep(0.2)
@@ -138,7 +139,7 @@ def test_an_interrupted_push_resumes_where_it_stopped(cluster, tmp_path, how):
     assert not (datasets / "big.bin").exists(), f"a half-copied file must not sit under its name; {said}"
     assert partial.is_file(), said
     kept = partial.stat().st_size
-    assert kept > 3_000_000, said
+    assert kept > 1_000_000, said
 
     again = push(inventory, str(data))
     assert again.returncode == 0, again.stdout + again.stderr

@@ -115,14 +115,14 @@ def test_an_interrupted_push_to_the_head_resumes(bed, tmp_path):
         str(data),
         name,
         "--bwlimit",
-        "2000",
+        "500",  # 32 s for the 16 MB: ample time to interrupt it after the first MB, however loaded
     ]
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True
     )
     deadline = time.monotonic() + 120
     # The bind-mounted shared dir shows rsync's temporary file (.NAME.XXXXXX) growing on the head.
-    while not any(path.stat().st_size > 3_000_000 for path in datasets.glob(f".{name}.*")):
+    while not any(path.stat().st_size > 1_000_000 for path in datasets.glob(f".{name}.*")):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no temporary file grew on the head within 120 s"
         time.sleep(0.2)
