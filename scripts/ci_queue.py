@@ -6,8 +6,8 @@ then the bed-free tests grew to 72 of CI's 90 minutes), and a fixed split goes s
 added. So the bed-free work is a list of chunks: the bed-free side starts taking them at once, the
 bed's side joins when `make molecule` ends, and each chunk is taken by whichever side is free first
 (a directory created with mkdir is the claim: atomic, no daemon). The union of the chunks is every
-test `make test-fast` selects (`-m "not testbed"` over tests/), checked at the start: a test file no
-chunk names lands in the last chunk, none is lost.
+bed-free test `make test` selects (SELECTION over tests/: not the bed's, nor their bed_twin twins),
+checked at the start: a test file no chunk names lands in the last chunk, none is lost.
 
     scripts/ci_queue.py work SIDE     take and run chunks until none is left
     scripts/ci_queue.py report        per chunk: who ran it, minutes, result; the slowest tests;
@@ -28,7 +28,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 QUEUE = REPO / ".cache" / "ci" / "queue"
-PYTEST = [str(REPO / ".venv" / "bin" / "pytest"), "-q", "-m", "not testbed", "--durations=15"]
+#: What `make test` selects bed-free: not the bed's tests, which the bed's side runs, nor their
+#: bed-free twins (marked bed_twin), whose scenario and assertions those tests cover on real hosts.
+SELECTION = "not testbed and not bed_twin"
+PYTEST = [str(REPO / ".venv" / "bin" / "pytest"), "-q", "-m", SELECTION, "--durations=15"]
 
 #: The longest first (from CI's own durations, then a machine at load 10+), so the side that joins
 #: late finds the short ones left. Each entry: a chunk name and its paths under tests/ (files or

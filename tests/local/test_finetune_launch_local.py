@@ -8,10 +8,14 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 from helpers.finetune_harness import build, generate
 from helpers.loopback_launch import launch_command, loopback_cluster  # noqa: F401
 
 
+@pytest.mark.bed_twin(
+    "tests/testbed/test_finetune_testbed.py::test_lora_with_deepspeed_on_two_nodes_from_the_shared_dir"
+)
 def test_lora_with_deepspeed_through_launch_on_two_loopback_nodes(loopback_cluster):  # noqa: F811
     inventory, shared = loopback_cluster
     models = shared / "models"

@@ -192,6 +192,10 @@ def test_a_rank_stuck_before_a_collective_stops_every_node_naming_the_rank_and_i
     assert " in started" in kept["1"], "the stack is kept next to node1's log"
 
 
+@pytest.mark.bed_twin(
+    "tests/testbed/test_launch_resilience_testbed.py::"
+    "test_a_killed_worker_trainer_restarts_from_its_checkpoint_with_the_same_final_loss"
+)
 def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_ends_like_an_uninterrupted_run(
     loopback, tmp_path
 ):
@@ -287,6 +291,10 @@ def test_a_node_failing_twice_is_left_out_and_the_batch_is_kept(loopback, tmp_pa
     assert [r["nodes"] for r in restarts][-1] == {"node0": 0, "node1": 1}
 
 
+@pytest.mark.bed_twin(
+    "tests/testbed/test_node_loss_testbed.py::"
+    "test_a_killed_worker_node_is_left_out_and_the_survivors_finish_like_a_run_started_there"
+)
 def test_a_lost_node_is_left_out_at_once_and_the_survivor_finishes_like_a_run_started_there(
     loopback, tmp_path
 ):

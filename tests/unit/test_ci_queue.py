@@ -1,9 +1,11 @@
 """CI runs the bed-free tests as a queue of chunks both of its sides take from (scripts/ci_queue.py):
-the chunks together must be what `make test-fast` selects, each test file once, and none of the bed's."""
+the chunks together must be what `make test` selects bed-free, each test file once, and none of the
+bed's; a test left out as a bed test's twin (bed_twin) names a bed test that exists."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +25,8 @@ def test_the_chunks_hold_every_bed_free_test_file_once_and_no_bed_test():
     for _, command in queue.chunks():
         if "pytest" not in command[0]:
             continue
-        assert command[command.index("-m") + 1] == "not testbed"  # the selection make test-fast makes
+        # The selection make test makes (make test-fast leaves bed_twin in, for machines without the bed).
+        assert command[command.index("-m") + 1] == "not testbed and not bed_twin"
         for arg in command:
             path = REPO / arg
             if arg.startswith("tests/"):
@@ -41,3 +44,20 @@ def test_the_chunks_hold_every_bed_free_test_file_once_and_no_bed_test():
 def test_the_docs_and_the_fresh_install_are_in_the_queue_after_the_tests():
     names = [name for name, _ in load_queue().chunks()]
     assert names[-2:] == ["docs", "fresh-install"]
+
+
+def test_every_bed_twin_names_a_bed_test_that_exists_and_make_test_selects_as_ci_does():
+    twins = []
+    for path in (REPO / "tests").rglob("test_*.py"):
+        text = path.read_text()
+        for match in re.finditer(r"@pytest\.mark\.bed_twin\(\s*((?:\"[^\"]*\"\s*)+)\)", text):
+            twins.append((path, "".join(re.findall(r'"([^"]*)"', match.group(1)))))
+    assert twins, "no bed_twin found: the pattern no longer matches how they are written"
+    for path, named in twins:
+        file, test = named.split("::")
+        bed_file = REPO / file
+        assert "testbed" in bed_file.parts and bed_file.is_file(), f"{path.name} names {named}"
+        defined = re.search(rf"^def {re.escape(test)}\(", bed_file.read_text(), re.M)
+        assert defined, f"{path.name} names {named}"
+    makefile = (REPO / "Makefile").read_text()
+    assert f'TEST_FAST_MARKS="{load_queue().SELECTION}"' in makefile
