@@ -1,11 +1,11 @@
 """Run a command under a child subreaper and say which of its processes outlived it.
 
-`python tests/helpers/subreaper.py NEEDLE... -- COMMAND...` makes itself the subreaper of COMMAND's
-tree (prctl PR_SET_CHILD_SUBREAPER): whatever COMMAND starts and leaves behind (a setsid'd launch, a
-daemonised iperf3 server, a node task's orphans) is reparented here, not to init. Its first line of
-stdout is COMMAND's pid (signal that one, as a user's Ctrl-C or a scheduler would); then COMMAND's
-output; once COMMAND has ended, its last line is `LEFT <json>`: the live descendants whose
-environment holds any NEEDLE, with their command lines.
+`python -m helpers.subreaper NEEDLE... -- COMMAND...` (tests/ on PYTHONPATH, which COMMAND does not
+get) makes itself the subreaper of COMMAND's tree (prctl PR_SET_CHILD_SUBREAPER): whatever COMMAND
+starts and leaves behind (a setsid'd launch, a daemonised iperf3 server, a node task's orphans) is
+reparented here, not to init. Its first line of stdout is COMMAND's pid (signal that one, as a
+user's Ctrl-C or a scheduler would); then COMMAND's output; once COMMAND has ended, its last line is
+`LEFT <json>`: the live descendants whose environment holds any NEEDLE, with their command lines.
 Its exit code is COMMAND's.
 
 Why not scan /proc for the needles: CI runs other chunks' preflights and launches on this machine at
@@ -21,29 +21,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.trainer_harness import descendants
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def descendants(root: int) -> list[int]:
-    """Live (not zombie) processes below `root`, found through /proc's parent links."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def left_behind(root: int, needles: list[str]) -> list[dict]:
-    """The live processes below `root` whose environment holds any of `needles`."""
+    """The live processes below `root` whose environment holds any of `needles` (a zombie's reads
+    as empty)."""
     left = []
     for pid in descendants(root):
         try:
@@ -61,7 +46,7 @@ def main(argv: list[str]) -> int:
     needles, command = argv[:split], argv[split + 1 :]
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         sys.exit(f"subreaper: prctl failed: {os.strerror(ctypes.get_errno())}")
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(command, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     print(child.pid, flush=True)
     rc = child.wait()
     print("LEFT " + json.dumps(left_behind(os.getpid(), needles)), flush=True)

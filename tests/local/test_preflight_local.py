@@ -296,9 +296,9 @@ def test_preflight_stopped_in_the_middle_leaves_nothing_running(tmp_path):
     # Under a subreaper: what the preflight leaves is found by descent, not only by its tags (CI runs
     # other chunks' preflights at the same time, whose processes carry the same tags).
     tags = ["CLUSTERTRAIN_LAUNCH_ID=preflight-deepspeed-", "CLUSTERTRAIN_PREFLIGHT="]
-    under_reaper = [sys.executable, subreaper.__file__, *tags, "--", *command]
+    under_reaper = [sys.executable, "-m", "helpers.subreaper", *tags, "--", *command]
     wrapper = subprocess.Popen(under_reaper, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)  # fmt: skip
+                               text=True, env={**os.environ, "PYTHONPATH": str(REPO / "tests")})  # fmt: skip
     seen = []
     try:
         preflight_pid = int(wrapper.stdout.readline())
