@@ -342,8 +342,18 @@ def test_a_link_slow_only_in_the_first_measurement_does_not_warn(tmp_path):
         sorted([WORKER1, WORKER2]),
     ], output
     bandwidth = {r["subject"]: r for r in report["results"] if r["check"] == "bandwidth"}
-    assert [r["status"] for r in bandwidth.values()] == ["pass"] * 3, output
-    assert all(report["bandwidth"]["matrix"][2][j] > 0.5 for j in (0, 1)), output  # ct-worker2 -> others
+    assert bandwidth[f"{HEAD} <-> {WORKER1}"]["status"] == "pass", output  # measured once
+    assert "fail" not in [r["status"] for r in bandwidth.values()], output
+    # Every direction of the retested pairs is judged on the unshaped second test: 10x the 50 Mbit/s.
+    matrix = report["bandwidth"]["matrix"]
+    assert all(matrix[i][j] > 0.5 for i, j in ((2, 0), (2, 1), (0, 2), (1, 2))), output
+    # On this 2-core bed under CI's load an unshaped link measures anywhere from about 3 to 22 Gbit/s,
+    # so a retested direction can still land 6x below the median and warn, as a real link that slow
+    # twice should (once: ct-head -> ct-worker2 2.9 Gbit/s against 18.1). Such a warning is about the
+    # second, unshaped test, never the shaped first one.
+    for result in bandwidth.values():
+        if result["status"] == "warn":
+            assert "measured twice: the faster of the two" in result["detail"], output
 
 
 @pytest.mark.slow
