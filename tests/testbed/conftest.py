@@ -19,3 +19,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if HERE in item.path.parents:
             item.add_marker(pytest.mark.testbed)
+    # bed_last: a test that leaves the nodes' converged record so that the next converged run must be
+    # a full one (about 95 s of CI's critical path) runs after every other, where nobody pays for it.
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("bed_last") is not None)

@@ -36,8 +36,8 @@ def on_host(script: str) -> str:
 def test_a_converged_cluster_is_skipped_and_a_hand_edit_brings_the_roles_back():
     # A fresh record first, whatever the tests before this one left: a run with the check on is a
     # full run that writes every node's record where a node differs from it, and a skip of seconds
-    # where the test before left it fresh (a forced full run, -e converged_full_run=true, is
-    # test_converged_limits_testbed's first run).
+    # where the test before left it fresh (test_converged_limits_testbed's last run before this one
+    # writes it).
     out, recap = site("-e", "converged_full_run=false")
     if SKIPPED not in out:
         assert "TASK [converged : Record it, with the cluster digest, root-only on each node]" in out
