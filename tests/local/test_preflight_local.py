@@ -228,23 +228,17 @@ def stale_lock_inventory(tmp_path: Path) -> tuple[Path, Path]:
     return inventory, lock
 
 
-def _processes_with(variable: bytes) -> list[int]:
-    """Processes of this machine's own mount namespace whose environment holds `variable`. The test
-    bed's containers (other namespaces) run preflights of their own at the same time in CI."""
-    ours = os.readlink("/proc/self/ns/mnt")
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if os.readlink(proc / "ns" / "mnt") == ours and variable in (proc / "environ").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
+#: The tags that a preflight's processes carry: its DeepSpeed job's launch id, and its probes' token.
+LAUNCH_TAG = "CLUSTERTRAIN_LAUNCH_ID=preflight-deepspeed-"
+PROBE_TAG = "CLUSTERTRAIN_PREFLIGHT="
 
 
-def launch_processes(run_prefix: str = "preflight-deepspeed-") -> list[int]:
-    """Processes on this machine that a preflight DeepSpeed launch started (by their launch tag)."""
-    return _processes_with(f"CLUSTERTRAIN_LAUNCH_ID={run_prefix}".encode())
+def under_subreaper(tags: list[str], command: list[str]) -> tuple[list[str], dict[str, str]]:
+    """argv and environment that run `command` under helpers/subreaper.py: what the preflight leaves
+    is found by descent, not by its tags alone (CI runs other chunks' preflights at the same time,
+    whose processes carry the same tags). Its first line is the command's pid, its last `LEFT [...]`."""
+    argv = [sys.executable, "-m", "helpers.subreaper", *tags, "--", *command]
+    return argv, {**os.environ, "PYTHONPATH": str(REPO / "tests")}
 
 
 @pytest.mark.slow
@@ -271,9 +265,10 @@ def test_a_deepspeed_job_stuck_in_its_compile_is_named_and_stopped_on_every_node
     lock, as in the issue; past the compile phase's bound it is named and stopped everywhere."""
     inventory, lock = stale_lock_inventory(tmp_path)
     report_path = tmp_path / "report.json"
-    out = preflight("-i", str(inventory), "--report", str(report_path),
-                    "--skip", *NOT_HERE, "clock", "bandwidth", "deepspeed_ops",
-                    "--deepspeed-bound", "compile=20", timeout=600)  # fmt: skip
+    argv, env = under_subreaper([LAUNCH_TAG], [*TRAINER, "preflight", "-i", str(inventory),
+                                "--report", str(report_path), "--skip", *NOT_HERE, "clock", "bandwidth",
+                                "deepspeed_ops", "--deepspeed-bound", "compile=20"])  # fmt: skip
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == exitcodes.PREFLIGHT_FAILED, out.stdout + out.stderr
     report = json.loads(report_path.read_text())
     job = next(r for r in report["results"] if r["check"] == "deepspeed")
@@ -282,7 +277,7 @@ def test_a_deepspeed_job_stuck_in_its_compile_is_named_and_stopped_on_every_node
     assert "stalled in phase compile" in job["detail"] and "stopped on every node" in job["detail"]
     assert "node-a" in job["fix"] and "python -m trainer.torch_extensions check" in job["fix"]
     assert "deepspeed: compile" in out.stdout  # the phases were shown as they came
-    assert launch_processes() == [], "the job's processes outlived the stop"
+    assert out.stdout.splitlines()[-1] == "LEFT []", "the job's processes outlived the stop"
     # The lock was there before the job: left for the user (the fast pass names it); nothing new.
     assert sorted(p.name for p in lock.parent.iterdir()) == ["lock"]
 
@@ -293,12 +288,11 @@ def test_preflight_stopped_in_the_middle_leaves_nothing_running(tmp_path):
     report_path = tmp_path / "report.json"
     command = [*TRAINER, "preflight", "-i", str(inventory), "--report", str(report_path),
                "--skip", *NOT_HERE, "clock", "bandwidth", "deepspeed_ops"]  # fmt: skip
-    # Under a subreaper: what the preflight leaves is found by descent, not only by its tags (CI runs
-    # other chunks' preflights at the same time, whose processes carry the same tags).
-    tags = ["CLUSTERTRAIN_LAUNCH_ID=preflight-deepspeed-", "CLUSTERTRAIN_PREFLIGHT="]
-    under_reaper = [sys.executable, "-m", "helpers.subreaper", *tags, "--", *command]
-    wrapper = subprocess.Popen(under_reaper, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env={**os.environ, "PYTHONPATH": str(REPO / "tests")})  # fmt: skip
+    tags = [LAUNCH_TAG, PROBE_TAG]
+    argv, env = under_subreaper(tags, command)
+    wrapper = subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     seen = []
     try:
         preflight_pid = int(wrapper.stdout.readline())
