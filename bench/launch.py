@@ -222,7 +222,7 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
     # A second place loads a second inventory in this process: Ansible says so once; it is harmless.
     warnings.filterwarnings("ignore", "AnsibleCollectionFinder has already been configured")
     from trainer.controller.inventory import load_cluster
-    from trainer.controller.launcher.launch import START_TASK, WATCH_TASK, Launcher, WatchOptions, prestart
+    from trainer.controller.launcher.launch import Launcher, WatchOptions, prestart, start_word
     from trainer.controller.launcher.plan import make_plan
 
     marks = [("imports", time.monotonic() - started)]
@@ -239,14 +239,13 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
             seen.add(name)
             marks.append((name, time.monotonic() - started))
 
+    waiting: list = []
+    started_hosts: set[str] = set()
+
     def on_event(event: dict) -> None:
-        name, task = event.get("event"), event.get("event_data", {}).get("task")
+        name = event.get("event")
         if name == "playbook_on_start":
             mark("ansible-playbook started (its imports, inventory, playbook)")
-        elif name == "playbook_on_task_start" and task == START_TASK:
-            mark("probe on every node")
-        elif name == "playbook_on_task_start" and task == WATCH_TASK:
-            mark("files written, trainer started on every node")
 
     class FirstStep(Exception):
         pass
@@ -254,7 +253,27 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
     wall_started = time.time() - (time.monotonic() - started)
     head_log = Path(plan.launch_dir) / "node-0" / "log"
 
+    probed: set[str] = set()
+    nodes = {n.host for n in plan.topology.nodes}
+
     def on_message(message: dict) -> None:
+        # launch.Launcher.attempt answers the probes (its word to start); here, as there, once all
+        # have passed. The bench reads no failure: a node that fails its probe ends the run.
+        if message.get("type") == "probed":
+            probed.add(str(message.get("host")))
+            if probed >= nodes:
+                mark("probe on every node")
+                word = start_word([m.get("answer") or {} for m in [*waiting, message]])
+                for held in [*waiting, message]:
+                    held.reply(word)
+                waiting.clear()
+            else:
+                waiting.append(message)
+            return
+        if message.get("type") == "started":
+            started_hosts.add(str(message.get("host")))
+            if started_hosts >= nodes:
+                mark("files written, trainer started on every node")
         report = message.get("report") or {}
         if message.get("host") != plan.topology.head.host:
             return

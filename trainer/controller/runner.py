@@ -49,7 +49,8 @@ Why it looks like this (the known ansible-runner traps):
 - messages that should not be Ansible events at all (a watch's poll every two seconds for days)
   go through a channel: with `on_message`, the playbook gets `runner_channel`, the path of a Unix
   socket in the private dir, where an action plugin writes JSON lines; each one is handed to
-  `on_message` on the caller's thread, like an event;
+  `on_message` on the caller's thread, like an event, as a ChannelMessage that can be answered on its
+  connection (`reply`: the launch's word to start);
 - a canceled run's ansible-playbook outlives ansible-runner's kill (it runs in a session of its own),
   so every process of a run carries CLUSTERTRAIN_RUNNER_ID in its environment and whatever still
   carries it when the run ends is terminated. On a local connection that includes processes a task
@@ -341,6 +342,23 @@ def remove_stale_private_dirs(parent: str | None = None) -> list[str]:
     return removed
 
 
+class ChannelMessage(dict):
+    """A message an action plugin wrote to `runner_channel`, which `reply` answers on the same
+    connection (one JSON line: the launch's word to a probed node, launch_node's `launch`)."""
+
+    def __init__(self, message: dict[str, Any], conn: socket.socket) -> None:
+        super().__init__(message)
+        self._conn = conn
+
+    def reply(self, answer: dict[str, Any]) -> bool:
+        """Send `answer`; False when the plugin is gone (its worker ended or was killed)."""
+        try:
+            self._conn.sendall((json.dumps(answer) + "\n").encode())
+        except OSError:
+            return False
+        return True
+
+
 class _Channel:
     """A Unix socket in the private dir; each JSON line a client writes becomes a queue item."""
 
@@ -379,7 +397,8 @@ class _Channel:
                     message = json.loads(line)
                 except ValueError:
                     continue
-                self.events.put({"event": "channel_message", "message": message})
+                if isinstance(message, dict):
+                    self.events.put({"event": "channel_message", "message": ChannelMessage(message, conn)})
 
     def close(self) -> None:
         self.closed.set()

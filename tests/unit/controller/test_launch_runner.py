@@ -190,3 +190,34 @@ def test_messages_arrive_under_a_temp_dir_too_long_for_a_socket_path(tmp_path, m
     assert result.succeeded, result.output
     assert {"hello": "from the node"} in messages
     assert set(Path("/tmp").glob("ct-ch-*")) == before, "the socket's own dir is removed"
+
+
+def test_a_message_is_answered_on_its_own_connection(tmp_path):
+    # A node's launch (launch_node's `launch`) waits on the channel for the launcher's word to start
+    # once every node's probe has passed: the answer must reach the connection that asked.
+    ask = (
+        "import json, socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+        "s.sendall(json.dumps({'type': 'probed', 'host': sys.argv[2]}).encode() + b'\\n'); "
+        "s.settimeout(30); word = json.loads(s.makefile('rb').readline()); "
+        "assert word == {'go': True, 'to': sys.argv[2]}, word; "
+        "s.sendall(json.dumps({'type': 'started', 'host': sys.argv[2]}).encode() + b'\\n'); s.close()"
+    )
+    playbook = write_playbook(
+        tmp_path,
+        "    - name: Ask on the channel\n"
+        "      ansible.builtin.command:\n"
+        f"        argv: [python3, -c, {ask!r}, '{{{{ runner_channel }}}}', '{{{{ item }}}}']\n"
+        "      loop: [first, second]\n"
+        "      changed_when: false\n",
+    )
+    started = []
+
+    def answer(message):
+        if message.get("type") == "probed":
+            assert message.reply({"go": True, "to": message["host"]})
+        else:
+            started.append(message["host"])
+
+    result = run_playbook(playbook, LOCAL_INVENTORY, on_message=answer)
+    assert result.succeeded, result.output
+    assert started == ["first", "second"], "each asker got its own answer and went on"

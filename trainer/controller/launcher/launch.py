@@ -74,9 +74,9 @@ from trainer.controller.runner import (
 from trainer.controller.training_env import IB_AUTO
 
 PLAYBOOKS = PurePosixPath(__file__).parent / "playbooks"
-PROBE_TASK = "Probe the node (user, venv, interface, master port, previous run, InfiniBand, command)"
-#: start.yml's last node task: the start, then the watch, in one task (a task forks a worker per node).
-START_TASK = "Start the trainer in its own process group and follow it until it ends"
+#: start.yml's one node task: the probe, the launcher's word, the start and the watch (Ansible forks a
+#: worker per node and task). Its result's `phase` says how far it got: probe, start, watch.
+LAUNCH_TASK = "Probe the node, start the trainer once every node passed, and follow it until it ends"
 WATCH_TASK = "Follow the trainer until it ends"
 STOP_TASK = "Stop the trainer's process group"
 STATUS_TASK = "Read the node's state"
@@ -156,6 +156,13 @@ def start_calls(extravars: dict[str, Any]) -> None:
         # run expects exactly LAUNCH_VARS).
         node["secret_env"], node["run_sh"] = {}, ""
     extravars.update(launch_files={}, launch_info={}, launch_record={})
+
+
+def start_word(probes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The launcher's word to every probed node once all have passed (launch_node's `launch`): start,
+    with NCCL's transport for the whole job: InfiniBand/RoCE only if every node has devices."""
+    every = all(probe.get("ib_devices") for probe in probes)
+    return {"go": True, "ib_disable": 0 if every else 1}
 
 
 def follow_problem(nodes: int) -> str | None:
@@ -543,16 +550,26 @@ class Launcher:
         lock_refused: list[dict[str, Any]] = []
         cancel = threading.Event()
 
-        def on_event(event: dict[str, Any]) -> None:
-            name, data = event.get("event", ""), event.get("event_data", {})
-            task, host, res = data.get("task"), data.get("host"), data.get("res") or {}
-            if (
-                name == "playbook_on_task_start"
-                and task == START_TASK
-                and topo.nccl_ib_disable == IB_AUTO
-                and not attach
-            ):
-                every = all(probes.get(h, {}).get("ib_devices") for h in self.hosts)
+        # The nodes' probes (launch_node's `launch`): each one that passed waits for the word to start,
+        # given once every node's has passed; after a failed probe (or a refused lock) every node is
+        # told not to start, as the play's any_errors_fatal stopped the nodes between two tasks.
+        waiting: list[Any] = []
+        probe_failed: list[str] = []
+
+        def tell_waiting() -> None:
+            if probe_failed or lock_refused:
+                why = "the run is locked" if not probe_failed else f"the probe failed on {probe_failed[0]}"
+                for message in waiting:
+                    message.reply({"go": False, "why": why})
+                waiting.clear()
+                return
+            # The head's probe passes only once this launcher holds the run's lock (taken by the play
+            # before, by the probe, or by the head's action after it).
+            if not all(h in probes for h in self.hosts):
+                return
+            word = start_word([probes[h] for h in self.hosts])
+            every = word["ib_disable"] == 0
+            if topo.nccl_ib_disable == IB_AUTO:
                 view.message(
                     f"NCCL_IB_DISABLE auto: {0 if every else 1} ("
                     + (
@@ -563,12 +580,20 @@ class Launcher:
                     )
                     + ")"
                 )
-            if task == PROBE_TASK and host == topo.head.host and res.get("lock"):
+            for message in waiting:
+                message.reply(word)
+            waiting.clear()
+
+        def on_event(event: dict[str, Any]) -> None:
+            name, data = event.get("event", ""), event.get("event_data", {})
+            task, host, res = data.get("task"), data.get("host"), data.get("res") or {}
+            if task == LAUNCH_TASK and host == topo.head.host and res.get("lock"):
                 # The head's probe took the lock (lock_in_probe), or was refused it and probed nothing.
                 if res["lock"].get("acquired"):
                     self.lock.held = True
                 elif name == "runner_on_failed" and "holder" in res["lock"]:
                     lock_refused.append(res["lock"].get("holder") or {})
+                    tell_waiting()
                     return
             if task in (LOCK_TASK, RELEASE_TASK) and not data.get("ignore_errors"):
                 if name == "runner_on_ok" and task == LOCK_TASK:
@@ -584,19 +609,20 @@ class Launcher:
                 if name == "runner_on_unreachable":
                     monitor.on_unreachable(host, str(res.get("msg") or "unreachable"))
                 return
-            if name == "runner_on_ok" and task == PROBE_TASK:
-                probes[host] = res
-                self.become[host] = bool(res.get("become"))
-            elif task == START_TASK and (res.get("start_failed") is False or host in started):
+            if task == LAUNCH_TASK and (res.get("phase") == "watch" or host in started):
                 # The watch's end (its result is its last report, already shown) or its failure
                 # (the monitor has judged the node from its misses).
                 return
-            elif name in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
+            if name in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
                 text = with_known_fix(str(res.get("msg") or res.get("stderr") or "failed").strip())
-                start_failures.append(
-                    (host, "Start the trainer" if task == START_TASK else str(task), text, name)
-                )
-                if task == START_TASK:
+                at_start = task == LAUNCH_TASK and res.get("phase") == "start"
+                label = "Start the trainer" if at_start else "Probe the node"
+                label = label if task == LAUNCH_TASK else str(task)
+                start_failures.append((host, label, text, name))
+                if task == LAUNCH_TASK and not at_start:
+                    probe_failed.append(host)
+                    tell_waiting()
+                elif at_start:
                     # The nodes that started are being followed already (start and watch are one
                     # task): the playbook would not end by itself.
                     start_ended.add(host)
@@ -608,6 +634,17 @@ class Launcher:
             return len(started | start_ended) >= len(self.hosts) or attach
 
         def on_message(message: dict[str, Any]) -> None:
+            if message.get("type") == "probed":
+                host, answer = str(message.get("host")), message.get("answer") or {}
+                probes[host] = answer
+                self.become[host] = bool(answer.get("become"))
+                if host == topo.head.host and (answer.get("lock") or {}).get("acquired"):
+                    # The head's probe took the run's lock (lock_in_probe, or after it as the
+                    # training user).
+                    self.lock.held = True
+                waiting.append(message)
+                tell_waiting()
+                return
             if message.get("type") == "started":
                 host, report = str(message.get("host")), message.get("report") or {}
                 if host not in monitor.hosts:

@@ -1,12 +1,11 @@
 """Action plugin of `trainer launch`: one round trip to a node per step, each with a timeout.
 
-    - name: Probe the node
+    - name: Read the node's state
       launch_node:
-        op: probe            # lock | probe | check | start | status | watch | stop | pids | whoami
+        op: status           # launch | lock | check | status | watch | stop | pids | whoami
         python: /srv/venv/bin/python
         request: {...}       # the JSON request for files/node_ctl.py (see its docstring)
-        call: {...}          # or: request, timeout_s, secret, follow in one value (start.yml: the
-                             # launcher's, one template per task; `venv` goes into a probe's request)
+        call: {...}          # or: request, timeout_s, secret, follow in one value (the launcher's)
 
 Every op but `whoami` runs the node's python with a short bootstrap and the request on stdin, the
 helper's own text included: no module is built (AnsiballZ costs a second or more per task on a busy
@@ -23,10 +22,13 @@ socket of trainer.controller.runner, one JSON line per message) instead of an An
 of days writes no event files and grows no event list. A poll that fails or gets no answer is sent
 as a miss (`since`: when the node stopped answering); the launcher decides when a node has been
 unreachable for too long (--unreachable-grace) and cancels the run. The task itself ends once the
-node's trainer has ended, with the last report as its result. `start` with `follow` (the watch's
-arguments) starts the trainer and then watches it in the same task, the start's answer sent first
-(`started`): Ansible forks a worker per host and task, the controller's main cost per node, so
-start.yml's node tasks are two (the probe, the start with its watch).
+node's trainer has ended, with the last report as its result.
+
+`launch` (with `probe`, `start` and `venv`: the launcher's, launch.start_calls) is a node's whole
+launch in one task, since Ansible forks a worker per host and task, the controller's main cost per
+node: the probe, its answer sent through the channel (`probed`), the launcher's word once every
+node's probe passed (the reply on the same connection: `go` and the job's NCCL_IB_DISABLE, or why
+not), the start, its answer sent (`started`), then the watch.
 
 `become_auto` (with `training_user`): the task's become is used only where Ansible connects as
 another account than the training user, found out in the same task (`id -un`, a round trip) rather
@@ -111,6 +113,8 @@ FINAL_STATES = ("exited", "vanished", "none")
 #: Polls a watch may send back to back before it waits for the interval: a quiet node's poll waits on
 #: the node and earns its credit back; a chatty log still gets one poll per `poll_s` on average.
 BURST_POLLS = 3
+#: A `launch` that failed at its start (the launcher stops the nodes that started).
+START_FAILED = {"phase": "start", "start_failed": True}
 
 
 def node_command(python: str, timeout_s: float) -> str:
@@ -142,6 +146,8 @@ class ActionModule(ActionBase):
             "follow",
             "call",
             "venv",
+            "probe",
+            "start",
         )
     )
     #: What `call` (a template's value: this node's arguments, made by the launcher) may hold.
@@ -164,12 +170,12 @@ class ActionModule(ActionBase):
         self._hostname = str((task_vars or {}).get("inventory_hostname") or "the node")
         timeout_s = float(args.get("timeout_s") or 60)
         request = dict(args.get("request") or {})
-        if args.get("venv") and op == "probe":
-            request["venv"] = args["venv"]
         # Whether a call uses the task's become: `become_auto` asks who Ansible connects as first (a
         # round trip in this task, where a `whoami` task of its own cost the controller a worker per
         # node) and becomes the training user only from another account.
         self._sudoable = True
+        if op == "launch":
+            return {**result, **self._launch(args)}
         try:
             if op == "whoami":
                 result["user"] = self._whoami(timeout_s)
@@ -179,51 +185,116 @@ class ActionModule(ActionBase):
                 self._sudoable = result["user"] != str(args.get("training_user") or "")
             if op == "watch":
                 return {**result, **self._watch(args, request)}
-            if op == "start":
-                request["run_sh"] = self._resolved_run_sh(request["run_sh"], args)
-            secret = bool(args.get("secret"))
-            if op == "probe":
-                answer = self._probe(args["python"], request, timeout_s)
-            else:
-                answer = self._call(args["python"], {**request, "op": op}, timeout_s, secret)
-            if op == "start" and args.get("follow"):
-                # Start and watch in one task: a task of its own for the watch forked another worker
-                # per node. The start's answer goes to the launcher through the channel first.
-                follow = dict(args["follow"])
-                watched = self._watch(
-                    {**args, **follow, "timeout_s": follow.get("timeout_s")},
-                    dict(follow.get("request") or {}),
-                    started=answer,
-                )
-                return {**result, **watched, "start_failed": False}
+            answer = self._call(args["python"], {**request, "op": op}, timeout_s, bool(args.get("secret")))
         except NodeError as err:
-            if op == "probe":
-                err.text = (
+            result.update(failed=True, msg=err.text or str(err), rc=err.rc)
+            return result
+        except NoAnswer as err:
+            result.update(failed=True, msg=f"{self._hostname}: {err}")
+            return result
+        result.update(answer)
+        if op == "check" and answer.get("check_error"):
+            result.update(failed=True, msg=answer["check_error"])
+        elif op == "lock" and request.get("action") == "acquire" and not answer.get("acquired"):
+            result.update(failed=True, msg=self._lock_refusal(request, answer))
+        result["changed"] = bool(answer.get("stopped") or answer.get("released") or answer.get("acquired"))
+        return result
+
+    # --- the launch: probe, wait for every node's, start, follow -------------------------------------
+
+    def _launch(self, args: dict) -> dict:
+        """One node's whole launch in one task (a worker per node where the probe and the start were a
+        task each): the probe (with the head's lock), its answer sent to the launcher through the
+        channel, then the launcher's word once every node's probe has passed (`go`, with the job's
+        NCCL_IB_DISABLE), then the start and the watch. A node whose probe fails ends its task failed
+        (`phase` probe), and the launcher tells every other node not to start (the task ends
+        skipped), as the play's any_errors_fatal did between two tasks. The launcher follows every node
+        in a worker of its own at once (forks >= nodes, launch.follow_problem), so a node never waits
+        on a node that has not been probed for want of a worker."""
+        python, probe_call, start_call = args["python"], dict(args["probe"]), dict(args["start"])
+        request = {**(probe_call.get("request") or {}), "venv": args["venv"]}
+        timeout_s = float(probe_call.get("timeout_s") or 60)
+        channel = _Channel()
+        try:
+            channel.open(args.get("channel") or "")
+        except _LauncherGone:
+            return {"failed": True, "phase": "probe", "msg": "the launcher stopped listening (the probe)"}
+        try:
+            try:
+                answer = self._probe(python, request, timeout_s)
+                failure = self._probe_failure(request, answer)
+                if failure is None and answer.get("lock_deferred"):
+                    answer["lock"] = self._deferred_lock(python, request["lock"], timeout_s)
+                    failure = self._probe_failure(request, answer)
+            except NodeError as err:
+                text = (
                     f"the trainer's venv {request['venv']} on {self._hostname} cannot run its python "
                     f"({err.text[-200:] or f'exit code {err.rc}'}): install the trainer there "
                     "(make provision) or fix training_venv"
                 )
-            result.update(failed=True, msg=err.text or str(err), rc=err.rc, start_failed=op == "start")
-            return result
-        except NoAnswer as err:
-            result.update(failed=True, msg=f"{self._hostname}: {err}", start_failed=op == "start")
-            return result
-        result.update(answer)
-        if op == "probe" and request.get("lock") and not (answer.get("lock") or {}).get("acquired", True):
+                return {"failed": True, "phase": "probe", "msg": text, "rc": err.rc}
+            except NoAnswer as err:
+                return {"failed": True, "phase": "probe", "msg": f"{self._hostname}: {err}"}
+            except AnsibleConnectionFailure as err:
+                # As Ansible words a connection's failure (the task executor's own), with the phase.
+                return {"unreachable": True, "phase": "probe", "msg": str(err)}
+            if failure is not None:
+                return {**answer, "failed": True, "phase": "probe", "msg": failure}
+            channel.send({"type": "probed", "host": self._hostname, "answer": answer})
+            wait_s = 3 * timeout_s + 60
+            try:
+                word = channel.receive(wait_s)
+            except TimeoutError:
+                # Not started, while the launcher may start the others: a start failure of this node.
+                text = f"{self._hostname}: no word to start within {wait_s:.0f} s of its probe"
+                return {**START_FAILED, "failed": True, "msg": text}
+            if not word.get("go"):
+                why = f"not started: {word.get('why') or 'the launcher said not to'}"
+                return {"skipped": True, "changed": False, "phase": "probe", "msg": why}
+            # As the training user from here on where Ansible connects as another account.
+            self._sudoable = bool(answer.get("become"))
+            start_request = dict(start_call.get("request") or {})
+            try:
+                found = {"iface": answer.get("iface"), "ib_disable": word.get("ib_disable")}
+                start_request["run_sh"] = self._resolved_run_sh(start_request["run_sh"], found)
+                started = self._call(
+                    python,
+                    {**start_request, "op": "start"},
+                    float(start_call.get("timeout_s") or 60),
+                    bool(start_call.get("secret")),
+                )
+            except NodeError as err:
+                return {**START_FAILED, "failed": True, "msg": err.text or str(err), "rc": err.rc}
+            except NoAnswer as err:
+                return {**START_FAILED, "failed": True, "msg": f"{self._hostname}: {err}"}
+            except AnsibleConnectionFailure as err:
+                return {**START_FAILED, "unreachable": True, "msg": str(err)}
+            follow = dict(start_call.get("follow") or {})
+            watched = self._watch(
+                {"python": python, **follow},
+                dict(follow.get("request") or {}),
+                started=started,
+                channel=channel,
+            )
+            return {**watched, "phase": "watch", "start_failed": False, "changed": True}
+        except _LauncherGone:
+            return {"failed": True, "phase": "probe", "msg": "the launcher stopped listening (the start)"}
+        finally:
+            channel.close()
+
+    def _probe_failure(self, request: dict, answer: dict) -> str | None:
+        """Why this node's probe (or the head's lock) fails the launch, or None."""
+        if request.get("lock") and not (answer.get("lock") or {}).get("acquired", True):
             # The head's probe took no lock and probed nothing: another launch holds it.
-            result.update(failed=True, msg=self._lock_refusal(request["lock"], answer["lock"]))
-        elif op == "probe":
-            problem = self._probe_problem(request, answer)
-            if problem:
-                result.update(failed=True, msg=problem)
-        elif op == "check" and answer.get("check_error"):
-            result.update(failed=True, msg=answer["check_error"])
-        elif op == "lock" and request.get("action") == "acquire" and not answer.get("acquired"):
-            result.update(failed=True, msg=self._lock_refusal(request, answer))
-        result["changed"] = op == "start" or bool(
-            answer.get("stopped") or answer.get("released") or answer.get("acquired")
-        )
-        return result
+            return self._lock_refusal(request["lock"], answer["lock"])
+        return self._probe_problem(request, answer) or None
+
+    def _deferred_lock(self, python: str, lock_request: dict, timeout_s: float) -> dict:
+        """The run's lock, as the training user, where the head's probe could not take it (Ansible
+        reached the head as another account than the launcher expected: become set outside the
+        inventory). Before the probed message, so no node starts unless this launcher holds it."""
+        self._sudoable = True
+        return self._call(python, {**lock_request, "op": "lock"}, timeout_s)
 
     def _probe(self, python: str, request: dict, timeout_s: float) -> dict:
         """The probe, as the account Ansible connects as (its answer says whether the trainer must
@@ -351,7 +422,9 @@ class ActionModule(ActionBase):
 
     # --- the watch ---------------------------------------------------------------------------------
 
-    def _watch(self, args: dict, request: dict, started: dict | None = None) -> dict:
+    def _watch(
+        self, args: dict, request: dict, started: dict | None = None, channel: _Channel | None = None
+    ) -> dict:
         poll_s = max(0.05, float(args.get("poll_s") or 2.0))
         # How long a poll waits on the node when nothing happens there (a round trip per poll is the
         # controller's cost of following a node; news cuts the wait short).
@@ -371,9 +444,12 @@ class ActionModule(ActionBase):
 
         # Polls that may start at once (a token bucket refilled at one per poll_s, BURST_POLLS deep).
         credit, credit_at = float(BURST_POLLS), time.monotonic()
-        channel = _Channel()
+        own_channel = channel is None
+        if channel is None:
+            channel = _Channel()
         try:
-            channel.open(args.get("channel") or "")
+            if own_channel:
+                channel.open(args.get("channel") or "")
             if started is not None:
                 channel.send({"type": "started", "host": host, "report": started})
             while True:
@@ -422,7 +498,8 @@ class ActionModule(ActionBase):
         except _LauncherGone:
             return {"failed": True, "msg": "the launcher stopped listening; the trainer was left running"}
         finally:
-            channel.close()
+            if own_channel:
+                channel.close()
 
 
 def _still_running(report: dict) -> dict:
@@ -448,6 +525,7 @@ class _Channel:
 
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
+        self._stream: Any = None
 
     def open(self, path: str) -> None:
         if path:
@@ -456,6 +534,28 @@ class _Channel:
                 self.sock.connect(path)
             except OSError as err:
                 raise _LauncherGone() from err
+
+    def receive(self, timeout_s: float) -> dict:
+        """The launcher's answer to the last message (one JSON line)."""
+        if self.sock is None:
+            raise _LauncherGone()
+        self.sock.settimeout(timeout_s)
+        try:
+            line = self.stream().readline()
+        except TimeoutError:
+            raise
+        except OSError as err:
+            raise _LauncherGone() from err
+        finally:
+            self.sock.settimeout(None)
+        if not line:
+            raise _LauncherGone()
+        return json.loads(line)
+
+    def stream(self) -> Any:
+        if self._stream is None:
+            self._stream = self.sock.makefile("rb")
+        return self._stream
 
     def send(self, message: dict) -> None:
         if self.sock is None:
@@ -466,5 +566,7 @@ class _Channel:
             raise _LauncherGone() from err
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         if self.sock is not None:
             self.sock.close()
