@@ -27,10 +27,11 @@ never tear down each other's nodes):
   address; ansible_user root; the training user as cluster_training_user (Ansible becomes it);
   the shared dir DIR/shared; the project's venv as training_venv.
 
-Each node's sshd runs in a mount namespace of its own (ip netns exec gives one). Three things of this
-machine are adjusted there, never outside: when /run/sshd (sshd's privilege separation dir) is
-missing, a fresh tmpfs on /run has it; when sshd's privilege separation user is missing (a machine
-that never installed openssh-server), a copy of /etc/passwd with it is bound over /etc/passwd;
+Each node's sshd runs in a mount namespace of its own (ip netns exec gives one). These things of this
+machine are adjusted there, never outside: /etc is a copy of this machine's (DIR/etc, made once the
+training user exists) with the node names in /etc/hosts and, when sshd's privilege separation user
+is missing (a machine that never installed openssh-server), that user in /etc/passwd; when
+/run/sshd (sshd's privilege separation dir) is missing, a fresh tmpfs on /run has it;
 when the venv's interpreter lies under a directory others
 cannot enter (/root, mode 0700, for a pyenv Python), a tmpfs of mode 0711 covers that directory
 with only the interpreter's tree bound back in, so the training user can run it (root's home on a
@@ -319,18 +320,25 @@ class Cluster:
             "set -e",
         ]
         lines.append('hostname "$1"')
+        # The nodes' /etc is a copy of this machine's, made after _user() (so it holds the training
+        # user), bound over /etc in each node's namespace. A copy of a single file bound over
+        # /etc/passwd was lost in the nodes of a cluster already up when another cluster's useradd
+        # replaced /etc/passwd (a rename: the kernel detaches mounts on the old file in other
+        # namespaces), and their sshd then refused every login for want of its privilege separation
+        # user.
+        etc = self.root / "etc"
+        shutil.rmtree(etc, ignore_errors=True)
+        _run(["cp", "-a", "/etc", str(etc)])
         # Node names resolve on every node (sudo looks its own host name up), never through DNS.
-        hosts = self.root / "hosts"
+        hosts = etc / "hosts"
         hosts.write_text(
             Path("/etc/hosts").read_text()
             + "".join(f"{address} {name}\n" for name, address in self.addresses.items())
         )
-        lines.append(f"mount --bind {shlex.quote(str(hosts))} /etc/hosts")
-        # After _user(): the copy holds the training user too.
         passwd = sshd_finder.passwd_with_privsep_user()
         if passwd is not None:
-            (self.root / "passwd").write_text(passwd)
-            lines.append(f"mount --bind {shlex.quote(str(self.root / 'passwd'))} /etc/passwd")
+            (etc / "passwd").write_text(passwd)
+        lines.append(f"mount --bind {shlex.quote(str(etc))} /etc")
         if not Path("/run/sshd").is_dir():
             lines.append("mount -t tmpfs -o mode=0755 tmpfs /run && mkdir -m 0755 /run/sshd")
         hidden = self._hidden_interpreter_dir()
@@ -553,6 +561,8 @@ class Cluster:
             with contextlib.suppress(OSError):
                 self.cgroup.rmdir()
         _quiet(["userdel", self.user])
+        # The nodes' copy of /etc holds this machine's /etc/shadow (modes kept): not left behind.
+        shutil.rmtree(self.root / "etc", ignore_errors=True)
         with contextlib.suppress(OSError):
             (self.root / STATE).unlink()
 
