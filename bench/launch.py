@@ -63,15 +63,16 @@ def make_inventory(workdir: Path, loopback: bool, hosts: int, port: int) -> tupl
         local = {
             "ansible_connection": "local",
             "ansible_python_interpreter": "{{ ansible_playbook_python }}",
-            "cluster_ip": "127.0.0.1",
             "cluster_accelerators": 0,
         }
         names = [f"node{i}" for i in range(hosts)]
+        # Each host its own loopback address (the inventory's rules refuse two hosts on one).
+        addresses = {n: f"127.0.0.{i + 1}" for i, n in enumerate(names)}
         tree = {
             "cluster": {
                 "children": {
-                    "head": {"hosts": {names[0]: dict(local)}},
-                    "workers": {"hosts": {n: dict(local) for n in names[1:]}},
+                    "head": {"hosts": {names[0]: dict(local, cluster_ip=addresses[names[0]])}},
+                    "workers": {"hosts": {n: dict(local, cluster_ip=addresses[n]) for n in names[1:]}},
                 }
             }
         }
@@ -84,7 +85,7 @@ def make_inventory(workdir: Path, loopback: bool, hosts: int, port: int) -> tupl
             "training_venv": str(REPO / ".venv"),
             "cluster_nccl_socket_ifname": "auto",
         }
-        nodes = [{"name": n, "address": "127.0.0.1"} for n in names]
+        nodes = [{"name": n, "address": addresses[n]} for n in names]
     else:
         shutil.copytree(TESTBED_INVENTORY, inventory)
         tree = yaml.safe_load((inventory / "hosts.yml").read_text())
