@@ -555,6 +555,7 @@ class Launcher:
         # told not to start, as the play's any_errors_fatal stopped the nodes between two tasks.
         waiting: list[Any] = []
         probe_failed: list[str] = []
+        told_to_start: set[str] = set()
 
         def tell_waiting() -> None:
             if probe_failed or lock_refused:
@@ -582,6 +583,7 @@ class Launcher:
                 )
             for message in waiting:
                 message.reply(word)
+                told_to_start.add(str(message.get("host")))
             waiting.clear()
 
         def on_event(event: dict[str, Any]) -> None:
@@ -615,7 +617,9 @@ class Launcher:
                 return
             if name in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
                 text = with_known_fix(str(res.get("msg") or res.get("stderr") or "failed").strip())
-                at_start = task == LAUNCH_TASK and res.get("phase") == "start"
+                # A node told to start fails at its start whatever failed (an error the action did not
+                # foresee included): the nodes that started must be stopped, not waited for.
+                at_start = task == LAUNCH_TASK and (res.get("phase") == "start" or host in told_to_start)
                 label = "Start the trainer" if at_start else "Probe the node"
                 label = label if task == LAUNCH_TASK else str(task)
                 start_failures.append((host, label, text, name))

@@ -238,6 +238,8 @@ class ActionModule(ActionBase):
             except AnsibleConnectionFailure as err:
                 # As Ansible words a connection's failure (the task executor's own), with the phase.
                 return {"unreachable": True, "phase": "probe", "msg": str(err)}
+            except AnsibleError as err:  # e.g. "Missing sudo password" for the command check
+                return {"failed": True, "phase": "probe", "msg": str(err)}
             if failure is not None:
                 return {**answer, "failed": True, "phase": "probe", "msg": failure}
             channel.send({"type": "probed", "host": self._hostname, "answer": answer})
@@ -269,6 +271,10 @@ class ActionModule(ActionBase):
                 return {**START_FAILED, "failed": True, "msg": f"{self._hostname}: {err}"}
             except AnsibleConnectionFailure as err:
                 return {**START_FAILED, "unreachable": True, "msg": str(err)}
+            except AnsibleError as err:
+                # e.g. "Missing sudo password": the probe runs as the account Ansible connects as,
+                # the start becomes the training user. A start failure: the nodes that started stop.
+                return {**START_FAILED, "failed": True, "msg": str(err)}
             follow = dict(start_call.get("follow") or {})
             watched = self._watch(
                 {"python": python, **follow},
