@@ -628,9 +628,12 @@ class Launcher:
                     tell_waiting()
                 elif at_start:
                     # The nodes that started are being followed already (start and watch are one
-                    # task): the playbook would not end by itself.
+                    # task): the playbook would not end by itself. It is ended once every other
+                    # node's start has answered (started or failed): ended sooner, a start still on
+                    # its way would start a trainer after the stop, which then held the master port.
                     start_ended.add(host)
-                    cancel.set()
+                    if starts_done():
+                        cancel.set()
 
         def starts_done() -> bool:
             """Every node started or failed to: before that, a failure is judged when the starts end
@@ -661,12 +664,12 @@ class Launcher:
                     view.states(monitor.ordered)
             else:
                 monitor.on_message(message)
-            if monitor.must_stop and starts_done():
+            if (monitor.must_stop or start_ended) and starts_done():
                 cancel.set()
 
         def on_tick() -> None:
             monitor.tick()
-            if monitor.must_stop and starts_done():
+            if (monitor.must_stop or start_ended) and starts_done():
                 cancel.set()
 
         what = f"engine {plan.engine}" if plan.runs_bundled_trainer else "your command"
@@ -727,7 +730,10 @@ class Launcher:
                 view.log(self.lock.refusal(lock_refused[0]))
                 return Outcome(exitcodes.CONFIG_ERROR, "locked", [], "the run is locked by another launch")
             if start_failures:
-                return self._start_failed(start_failures, started, view, monitor)
+                # Every node told to start may run its trainer (a start that failed by timing out
+                # may have started it after all): each is stopped, a node with nothing running
+                # answers so.
+                return self._start_failed(start_failures, started | told_to_start, view, monitor)
             if monitor.all_done:
                 view.message(
                     f"[green]done[/green]: run {plan.run_name} finished on all {len(monitor.hosts)} node(s); "
