@@ -4,8 +4,17 @@ conftest.py files add their markers (local/: slow, testbed/: testbed); other are
 from __future__ import annotations
 
 import contextlib
+import signal
 
 import pytest
+
+# A test run started as a background job of a non-interactive shell (`.ci/run &`) inherits SIGINT
+# ignored, and an ignored signal stays ignored in every child: `trainer push` and the in-process copy
+# then ignored the interrupt the push tests send as Ctrl-C, and finished their copies instead. With a
+# handler here, the children get SIGINT's default disposition again at exec (a handler is reset, an
+# ignored signal is not), as under a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Ansible (imported in this process by the controller tests) replaces sys.intern with a patch object;
 # torch._dynamo, imported later by transformers in the fine-tuning tests, registers a polyfill for
