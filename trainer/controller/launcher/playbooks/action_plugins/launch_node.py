@@ -113,8 +113,6 @@ FINAL_STATES = ("exited", "vanished", "none")
 #: Polls a watch may send back to back before it waits for the interval: a quiet node's poll waits on
 #: the node and earns its credit back; a chatty log still gets one poll per `poll_s` on average.
 BURST_POLLS = 3
-#: A `launch` that failed at its start (the launcher stops the nodes that started).
-START_FAILED = {"phase": "start", "start_failed": True}
 
 
 def node_command(python: str, timeout_s: float) -> str:
@@ -227,19 +225,14 @@ class ActionModule(ActionBase):
                     answer["lock"] = self._deferred_lock(python, request["lock"], timeout_s)
                     failure = self._probe_failure(request, answer)
             except NodeError as err:
-                text = (
+                err.text = (
                     f"the trainer's venv {request['venv']} on {self._hostname} cannot run its python "
                     f"({err.text[-200:] or f'exit code {err.rc}'}): install the trainer there "
                     "(make provision) or fix training_venv"
                 )
-                return {"failed": True, "phase": "probe", "msg": text, "rc": err.rc}
-            except NoAnswer as err:
-                return {"failed": True, "phase": "probe", "msg": f"{self._hostname}: {err}"}
-            except AnsibleConnectionFailure as err:
-                # As Ansible words a connection's failure (the task executor's own), with the phase.
-                return {"unreachable": True, "phase": "probe", "msg": str(err)}
-            except AnsibleError as err:  # e.g. "Missing sudo password" for the command check
-                return {"failed": True, "phase": "probe", "msg": str(err)}
+                return self._failed("probe", err)
+            except (NoAnswer, AnsibleError) as err:  # e.g. "Missing sudo password" for the command check
+                return self._failed("probe", err)
             if failure is not None:
                 return {**answer, "failed": True, "phase": "probe", "msg": failure}
             channel.send({"type": "probed", "host": self._hostname, "answer": answer})
@@ -248,8 +241,7 @@ class ActionModule(ActionBase):
                 word = channel.receive(wait_s)
             except TimeoutError:
                 # Not started, while the launcher may start the others: a start failure of this node.
-                text = f"{self._hostname}: no word to start within {wait_s:.0f} s of its probe"
-                return {**START_FAILED, "failed": True, "msg": text}
+                return self._failed("start", NoAnswer(f"no word to start within {wait_s:.0f} s of its probe"))
             if not word.get("go"):
                 why = f"not started: {word.get('why') or 'the launcher said not to'}"
                 return {"skipped": True, "changed": False, "phase": "probe", "msg": why}
@@ -265,16 +257,10 @@ class ActionModule(ActionBase):
                     float(start_call.get("timeout_s") or 60),
                     bool(start_call.get("secret")),
                 )
-            except NodeError as err:
-                return {**START_FAILED, "failed": True, "msg": err.text or str(err), "rc": err.rc}
-            except NoAnswer as err:
-                return {**START_FAILED, "failed": True, "msg": f"{self._hostname}: {err}"}
-            except AnsibleConnectionFailure as err:
-                return {**START_FAILED, "unreachable": True, "msg": str(err)}
-            except AnsibleError as err:
+            except (NoAnswer, AnsibleError) as err:
                 # e.g. "Missing sudo password": the probe runs as the account Ansible connects as,
                 # the start becomes the training user. A start failure: the nodes that started stop.
-                return {**START_FAILED, "failed": True, "msg": str(err)}
+                return self._failed("start", err)
             follow = dict(start_call.get("follow") or {})
             watched = self._watch(
                 {"python": python, **follow},
@@ -282,11 +268,22 @@ class ActionModule(ActionBase):
                 started=started,
                 channel=channel,
             )
-            return {**watched, "phase": "watch", "start_failed": False, "changed": True}
+            return {**watched, "phase": "watch", "changed": True}
         except _LauncherGone:
             return {"failed": True, "phase": "probe", "msg": "the launcher stopped listening (the start)"}
         finally:
             channel.close()
+
+    def _failed(self, phase: str, err: Exception) -> dict:
+        """A `launch` that failed at `phase` (probe or start: the launcher reads it), worded as before:
+        a node that cannot be reached is unreachable, as Ansible's task executor words it."""
+        if isinstance(err, AnsibleConnectionFailure):
+            return {"unreachable": True, "phase": phase, "msg": str(err)}
+        if isinstance(err, NodeError):
+            return {"failed": True, "phase": phase, "msg": err.text or str(err), "rc": err.rc}
+        if isinstance(err, NoAnswer):
+            return {"failed": True, "phase": phase, "msg": f"{self._hostname}: {err}"}
+        return {"failed": True, "phase": phase, "msg": str(err)}
 
     def _probe_failure(self, request: dict, answer: dict) -> str | None:
         """Why this node's probe (or the head's lock) fails the launch, or None."""
