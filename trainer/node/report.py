@@ -14,6 +14,7 @@ for tools (and tests) that check a picture without looking at it.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import sys
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import exitcodes
 from trainer.node.report_html import HTML_FILE, write_html
+from trainer.safe_files import read_text, write_file
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -44,7 +46,7 @@ class Curve:
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The records of metrics.jsonl; a torn last line (a run killed while writing) is skipped."""
     records = []
-    for line in (run_dir / METRICS_FILE).read_text().splitlines():
+    for line in read_text(run_dir / METRICS_FILE).splitlines():
         try:
             record = json.loads(line)
         except ValueError:
@@ -125,9 +127,9 @@ def write_report(run_dir: Path) -> list[Path]:
         fig = figure(curve, run_dir.resolve().name)
         FigureCanvasAgg(fig)
         path = run_dir / curve.file
-        tmp = path.with_name(f".{path.name}.tmp")
-        fig.savefig(tmp, format="png")
-        tmp.replace(path)
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        write_file(path, png.getvalue())
         written.append(path)
         pictures.append((curve.file, curve.title))
         described[curve.file] = {
@@ -142,9 +144,9 @@ def write_report(run_dir: Path) -> list[Path]:
                 for label, (steps, values) in curve.lines.items()
             },
         }
-    tmp = run_dir / f".{REPORT_FILE}.tmp"
-    tmp.write_text(json.dumps({"records": len(records), "pictures": described}, indent=2) + "\n")
-    tmp.replace(run_dir / REPORT_FILE)
+    write_file(
+        run_dir / REPORT_FILE, json.dumps({"records": len(records), "pictures": described}, indent=2) + "\n"
+    )
     if records:
         # Not in the list returned (the pictures): `trainer report` and the run's last lines name it.
         write_html(run_dir, records, pictures)

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.safe_files import read_bytes, read_text, write_file
+
 HTML_FILE = "report.html"
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
@@ -52,7 +54,7 @@ def esc(value: Any) -> str:
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from `path`; {} when it is missing or not one (a report never fails on it)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -61,7 +63,7 @@ def read_json(path: Path) -> dict[str, Any]:
 def read_history(run_dir: Path) -> list[dict[str, Any]]:
     """The run's launch/history.jsonl records in order; a torn line is skipped."""
     try:
-        lines = (run_dir / HISTORY_FILE).read_text().splitlines()
+        lines = read_text(run_dir / HISTORY_FILE).splitlines()
     except OSError:
         return []
     records = []
@@ -216,7 +218,7 @@ def history_rows(history: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 def picture(run_dir: Path, file: str, title: str) -> str:
-    data = base64.b64encode((run_dir / file).read_bytes()).decode("ascii")
+    data = base64.b64encode(read_bytes(run_dir / file)).decode("ascii")
     return f'<figure><img alt="{esc(title)}" src="data:image/png;base64,{data}"></figure>'
 
 
@@ -284,7 +286,5 @@ def render(run_dir: Path, records: list[dict[str, Any]], pictures: Sequence[tupl
 def write_html(run_dir: Path, records: list[dict[str, Any]], pictures: Sequence[tuple[str, str]]) -> Path:
     """Write run_dir/report.html (whole or not at all: a reader never sees half a page)."""
     path = run_dir / HTML_FILE
-    tmp = run_dir / f".{HTML_FILE}.tmp"
-    tmp.write_text(render(run_dir, records, pictures), encoding="utf-8")
-    tmp.replace(path)
+    write_file(path, render(run_dir, records, pictures))
     return path

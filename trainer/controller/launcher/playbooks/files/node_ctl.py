@@ -529,14 +529,24 @@ def keep_previous_launch(node_dir: Path) -> int | None:
     return number
 
 
-def write_file(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write `path` atomically, created with `mode` (never a moment with looser modes)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as handle:
-        handle.write(text)
-    os.chmod(tmp, mode)  # the umask may have narrowed it
-    tmp.replace(path)
+# trainer.safe_files.write_file, copied: this runs without the package (tests/unit/test_safe_files.py).
+def write_file(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, tmp_name: str = "") -> None:
+    """Write `path` whole, never through a link: `.NAME.tmp` (or `tmp_name`) beside it made exclusively,
+    `mode` set before any byte, then renamed over `path`."""
+    directory, name = os.path.split(os.fspath(path))
+    tmp = os.path.join(directory, tmp_name or f".{name}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of a killed writer, or a planted link: removed, not opened
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with open(fd, "wb") as handle:
+            os.fchmod(fd, mode)  # from 0600 to `mode`, whatever the umask
+            handle.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def append_record(launch_dir: Path, record: dict) -> None:
