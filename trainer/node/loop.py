@@ -7,6 +7,11 @@ are `StepHook`s: each gets the step's result and returns None to continue or an 
 costs a collective per step. A callback that only watches (progress for the launcher's watchdog) is
 `on_step_end` instead: it never stops the run, so it needs no collective.
 
+Nothing in a step waits for the device (trainer.node.speedups: async_loss): the engine's loss stays a
+tensor on the device, read on logged and saved steps only, and on a GPU the per-step checks' vote is
+all-reduced on the device and read one step later, by which time it is there: a stop comes one step
+after the check that asked for it, on every rank at the same step, and before any checkpoint.
+
 torch is imported inside functions.
 """
 
@@ -36,11 +41,18 @@ class StepResult:
 
     step: int
     max_steps: int
-    loss: float
-    """This rank's mean loss over the step's micro-batches."""
+    device_loss: Any
+    """This rank's mean loss over the step's micro-batches, as the engine returned it (a tensor on the
+    device, or a float): `loss` reads it."""
     lr: float
     step_time_s: float
+    """The time the loop spent in the step (without waiting for the device under async_loss)."""
     rank: int
+
+    @property
+    def loss(self) -> float:
+        """This rank's mean loss over the step's micro-batches (on a GPU, reading it waits for the step)."""
+        return float(self.device_loss)
 
 
 #: A per-step check: None to continue, or an exit code (e.g. exitcodes.GPU_FAULT) to stop the run.
@@ -87,12 +99,18 @@ class Trainer:
         interval_start, interval_steps, interval_step_time, interval_tokens = time.perf_counter(), 0, 0.0, 0
         loss = self.run_facts.get("resumed_loss", float("nan"))
         started = time.perf_counter()
+        from trainer.node import speedups
+
+        wait_in_step = not speedups.enabled("async_loss")
+        vote = _StopVote(self.topology.device, deferred=not wait_in_step)
         try:
             for step in range(start + 1, train.max_steps + 1):
                 if self.on_step_start is not None:
                     self.on_step_start(step)
                 step_start = time.perf_counter()
                 local_loss = self.engine.train_step(self.batches.micro_batches(step))
+                if wait_in_step:
+                    local_loss = float(local_loss)
                 step_time = time.perf_counter() - step_start
                 interval_steps += 1
                 interval_step_time += step_time
@@ -100,26 +118,31 @@ class Trainer:
                 result = StepResult(
                     step=step,
                     max_steps=train.max_steps,
-                    loss=local_loss,
+                    device_loss=local_loss,
                     lr=self.engine.lr(),
                     step_time_s=step_time,
                     rank=self.topology.rank,
                 )
                 if self.on_step_end is not None:
                     self.on_step_end(result)
-                code = self._after_step(result)
+                last = step == train.max_steps
+                saving = last or bool(self.save_steps and step % self.save_steps == 0)
+                code = self._after_step(result, vote, final=saving)
                 if code:
                     self.reporter.info(f"stopping at step {step}: a per-step check returned exit code {code}")
                     return code
                 self.reporter.advance(step)
                 self.steps_this_run += 1
-                last = step == train.max_steps
                 eval_start = time.perf_counter()
                 evaluated = self._evaluate_now(step, last)
                 interval_start += time.perf_counter() - eval_start  # eval time is not training throughput
                 # Step 1 is logged too: the user sees the starting loss, the launcher a first line, at once.
                 logged = step % train.log_every == 0 or last or step == 1 or evaluated is not None
                 if logged:
+                    if not wait_in_step:
+                        # The interval's steps as the device ran them (the loop did not wait in them).
+                        _synchronize(self.topology.device)
+                        interval_step_time = time.perf_counter() - interval_start
                     loss, node_step_times = self._logged_values(
                         local_loss, interval_step_time / interval_steps
                     )
@@ -144,9 +167,9 @@ class Trainer:
                         0.0,
                         0,
                     )
-                if last or (self.save_steps and step % self.save_steps == 0):
+                if saving:
                     if not logged:
-                        loss = self._global_loss(local_loss)
+                        loss = self._global_loss(float(local_loss))
                     self._save(step, loss)
                     interval_start = time.perf_counter()  # checkpoint time is not training throughput
         finally:
@@ -159,14 +182,14 @@ class Trainer:
             return None
         return self.evaluate()
 
-    def _after_step(self, result: StepResult) -> int:
-        """Run the per-step checks; every rank returns the same code (the highest any rank raised)."""
+    def _after_step(self, result: StepResult, vote: _StopVote, *, final: bool) -> int:
+        """Run the per-step checks; every rank returns the same code (the highest any rank raised),
+        on a GPU under async_loss one step later, and at once where `final` (a checkpoint or the end
+        follows: nothing is saved past a stop)."""
         if not self.hooks:
             return exitcodes.OK
-        from trainer.node.distributed import max_across_ranks
-
         code = next((c for hook in self.hooks if (c := hook(result))), exitcodes.OK)
-        return max_across_ranks(code, self.topology.device)
+        return vote.cast(code, final=final)
 
     def _global_loss(self, local_loss: float) -> float:
         from trainer.node.distributed import mean_across_ranks
@@ -341,6 +364,53 @@ class Trainer:
             f"done: step {self.train_config.max_steps}, loss {loss:.4f}, "
             f"parameters identical on all {len(checksums)} ranks: {len(set(checksums)) == 1}"
         )
+
+
+class _StopVote:
+    """The per-step checks' codes, all-reduced (max) across ranks. Deferred (a GPU under async_loss):
+    step k's vote is all-reduced on the device and copied to pinned host memory behind step k's work,
+    and read at step k+1, after that step's work is queued, so the device never idles for it."""
+
+    def __init__(self, device: str, *, deferred: bool):
+        self.device = device
+        self.deferred = deferred and device.startswith("cuda")
+        self.pending: tuple[Any, Any] | None = None
+
+    def cast(self, code: int, *, final: bool = False) -> int:
+        from trainer.node.distributed import max_across_ranks
+
+        if not self.deferred:
+            return max_across_ranks(code, self.device)
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.full((1,), code, dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        previous, self.pending = self.pending, (host, event)
+        earlier = self._read(previous)
+        if earlier or not final:
+            return earlier
+        latest, self.pending = self.pending, None
+        return self._read(latest)
+
+    @staticmethod
+    def _read(vote: tuple[Any, Any] | None) -> int:
+        if vote is None:
+            return exitcodes.OK
+        host, event = vote
+        event.synchronize()
+        return int(host.item())
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 from trainer.configerror import ConfigError
+from trainer.node import speedups
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +88,20 @@ def check_optimizer(config: TrainConfig, *, device_type: str) -> str | None:
     return None
 
 
+def fused_kernel_for(groups: list[dict]) -> bool:
+    """torch has a fused AdamW kernel for every parameter's device and dtype (all on one device type)."""
+    import torch
+
+    try:  # torch's own list (private); without it, the default implementation
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as fused_devices
+    except ImportError:
+        return False
+    params = [p for group in groups for p in group["params"]]
+    kinds = {p.device.type for p in params}
+    floats = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    return len(kinds) == 1 and kinds <= set(fused_devices()) and all(p.dtype in floats for p in params)
+
+
 def _torch_version() -> str:
     import torch
 
@@ -106,8 +121,9 @@ def build_optimizer(
 
         optimizer = bitsandbytes.optim.AdamW8bit(groups, lr=config.learning_rate, betas=BETAS)
     else:
-        optimizer = torch.optim.AdamW(
-            groups, lr=config.learning_rate, betas=BETAS, fused=config.optimizer == "adamw_fused" or None
+        fused = config.optimizer == "adamw_fused" or (
+            config.optimizer == "adamw" and speedups.enabled("fused_adamw") and fused_kernel_for(groups)
         )
+        optimizer = torch.optim.AdamW(groups, lr=config.learning_rate, betas=BETAS, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_multiplier, config=config))
     return optimizer, scheduler

@@ -33,8 +33,9 @@ class TrainConfig:
     seed: int = 1337
     """Seed for model init (same on all ranks), data order (same) and dropout (offset by rank)."""
     optimizer: Literal["adamw", "adamw_fused", "adamw_8bit"] = "adamw"
-    """AdamW (betas 0.9, 0.99). `adamw`: torch's, its default implementation; `adamw_fused`: torch's
-    fused kernel (on GPUs and, in torch 2.4 and later, the CPU; the log says which); `adamw_8bit`:
+    """AdamW (betas 0.9, 0.99). `adamw`: torch's, its fused kernel where torch has one for the device
+    (GPUs; the CPU in torch 2.4 and later), else its default implementation; `adamw_fused`: the fused
+    kernel or a config error where there is none (the log says which); `adamw_8bit`:
     bitsandbytes' AdamW8bit, moments in 8 bits (a quarter of their memory): CUDA nodes with the
     `qlora` extra installed, ddp or accelerate engine (DeepSpeed shards the optimizer state itself)."""
     learning_rate: float = 3e-3

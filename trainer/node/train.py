@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import exitcodes
 from trainer.joblock import LOCK_FILE, JobLock, Locked, job_from_env
-from trainer.node import distributed, exit_record
+from trainer.node import distributed, exit_record, speedups
 from trainer.node.accelerators import AcceleratorMismatch, check_visible_gpus
 from trainer.node.checkpoint import (
     CheckpointWriter,
@@ -173,6 +173,7 @@ def _run(args: argparse.Namespace) -> int:
         return exitcodes.OK
     try:
         config, world_size, optimizer_note = _load_config(args)
+        speedups_note = speedups.describe()  # an unknown name in TRAINER_SPEEDUPS_OFF: a config error
         job = prepare_job(config, world_size, dry_run=args.dry_run)
         if not args.dry_run:  # a dry run may be made elsewhere than on the node
             _check_memory(config, job, world_size)
@@ -210,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
         _error(f"data error: {err}")
         return exitcodes.DATA_ERROR
     try:
-        notes = [*job.notes, *(line for line in (note, steps_note, optimizer_note) if line)]
+        notes = [*job.notes, *(line for line in (note, steps_note, optimizer_note, speedups_note) if line)]
         return train(config, job, repeats=repeats, notes=notes)
     except ConfigError as err:  # checkpoint.resume naming a bad path is found once the run starts
         _error(f"config error: {err}")
@@ -333,6 +334,12 @@ def train(
             on_step_start=progress.started,
             on_step_end=progress.step_done,
         )
+        if speedups.enabled("gc_freeze"):
+            # Start-up's objects (torch, transformers, the model, the data index) are never garbage:
+            # frozen, no collection during the steps walks them. Unfrozen in `finally` (a process
+            # that trains again, a test or a bench, gets them collected).
+            gc.collect()
+            gc.freeze()
         code = trainer.train()
         _note_gpu_fault(code, health)
         if code == exitcodes.OK:
@@ -355,6 +362,7 @@ def train(
         # thread while holding the GIL that thread waited for: a finished rank hung at exit (seen
         # with gdb, 2 of 12 runs on a loaded machine) until the launcher's stall timeout.
         trainer = None
+        gc.unfreeze()
         gc.collect()
         distributed.shutdown(clean)
         if job_lock is not None:  # after the last write of every rank (a clean shutdown waits for them)

@@ -65,9 +65,11 @@ class Engine:
     module: torch.nn.Module
     topology: Topology
 
-    def train_step(self, micro_batches: Iterable[Batch]) -> float:
+    def train_step(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
         """Forward/backward over gradient_accumulation_steps micro-batches, clip, optimizer and
-        scheduler step; returns this rank's mean loss over the micro-batches."""
+        scheduler step; returns this rank's mean loss over the micro-batches, a 0-dim tensor on the
+        device: reading it (`float()`) waits for the step to finish on a GPU, so the loop reads it only
+        when it needs the number (trainer.node.speedups: async_loss)."""
         raise NotImplementedError
 
     def lr(self) -> float:

@@ -43,7 +43,7 @@ class AccelerateEngine(Engine):
         # The trained parameters only: a LoRA base's frozen weights have no gradient to clip.
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
 
-    def train_step(self, micro_batches: Iterable[Batch]) -> float:
+    def train_step(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
         accumulation = self.config.gradient_accumulation_steps
         total = torch.zeros((), device=self.topology.device)
         for index, batch in enumerate(micro_batches):
@@ -51,13 +51,13 @@ class AccelerateEngine(Engine):
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
                 loss = self.model(*batch)  # prepare() applied autocast when mixed precision is on
                 self.accelerator.backward(loss / accumulation)
-            total += loss.detach()  # one device sync per step (the .item() below), not one per micro-batch
+            total += loss.detach()  # on the device: read by the loop when it needs the number
         if self.config.grad_clip > 0:
             self.accelerator.clip_grad_norm_(self.trained, self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total.item() / accumulation
+        return total / accumulation
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         return self.model(*batch)

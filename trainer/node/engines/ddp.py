@@ -51,7 +51,7 @@ class DDPEngine(Engine):
         # The trained parameters only: a LoRA base's frozen weights have no gradient to clip.
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
 
-    def train_step(self, micro_batches: Iterable[Batch]) -> float:
+    def train_step(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
         accumulation = self.config.gradient_accumulation_steps
         total = torch.zeros((), device=self.topology.device)
         for index, batch in enumerate(micro_batches):
@@ -67,7 +67,7 @@ class DDPEngine(Engine):
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total.item() / accumulation
+        return total / accumulation
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         with self.autocast():

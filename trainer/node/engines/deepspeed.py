@@ -52,15 +52,15 @@ class DeepSpeedEngine(Engine):
         )
         self.module = self.engine.module
 
-    def train_step(self, micro_batches: Iterable[Batch]) -> float:
+    def train_step(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
         # DeepSpeed scales each loss by 1/accumulation, reduces gradients and steps the optimizer and
         # scheduler (with clipping) at the accumulation boundary by itself.
-        total, count = 0.0, 0
+        total, count = None, 0
         for batch in micro_batches:
             loss = self.engine(*batch)
             self.engine.backward(loss)
             self.engine.step()
-            total += loss.item()
+            total = loss.detach().float() if total is None else total + loss.detach().float()
             count += 1
         return total / count
 

@@ -169,13 +169,41 @@ def load_model(
     return model
 
 
+#: Model types whose forward is `logits = lm_head(decoder(...).last_hidden_state)` and whose loss is
+#: the plain shifted cross-entropy (no logit scaling or soft-capping, no router loss): the chunked loss
+#: below computes exactly what their own forward would. Any other model computes its own loss.
+PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
+#: Logits held at once by the chunked loss: tokens per chunk × vocabulary (2^27: 512 MiB in fp32).
+CHUNK_LOGITS = 2**27
+
+
 class CausalLMLoss(nn.Module):
     """What the engines train: forward(input_ids, labels, position_ids, num_items_in_batch) -> the loss
-    summed over label tokens and divided by num_items_in_batch (see trainer.node.hf.batches)."""
+    summed over label tokens and divided by num_items_in_batch (see trainer.node.hf.batches).
+
+    With the chunked_loss speed-up (trainer.node.speedups) and a model of PLAIN_HEAD_MODELS, the output
+    head and the cross-entropy run over chunks of at most CHUNK_LOGITS / vocabulary tokens, each
+    chunk's logits recomputed in the backward pass (torch.utils.checkpoint): a micro batch's logits are
+    never held whole (16k tokens × a 152k vocabulary are 9.3 GiB in fp32, with their gradient twice
+    that). On the CPU only the labelled positions go through the head (selecting them on a GPU would
+    wait for the device). The loss is the model's own, up to the order of the sum."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = getattr(hf, "config", None)
+        head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+        plain = (
+            getattr(config, "model_type", None) in PLAIN_HEAD_MODELS
+            and type(head) is nn.Linear
+            and hasattr(hf, "get_decoder")
+            # ZeRO-3 partitions the weights (loaded so, under deepspeed.zero.Init) and gathers each for
+            # its module's own forward: the model's own path.
+            and not hasattr(head.weight, "ds_id")
+        )
+        # Not attributes: a second path to the same modules would show in state_dict and named_modules.
+        self._parts = (hf.get_decoder(), head) if plain else None
 
     def forward(
         self,
@@ -184,10 +212,45 @@ class CausalLMLoss(nn.Module):
         position_ids: torch.Tensor | None,
         num_items_in_batch: torch.Tensor,
     ) -> torch.Tensor:
-        return self.model(
-            input_ids=input_ids,
-            labels=labels,
-            position_ids=position_ids,
-            num_items_in_batch=num_items_in_batch,
-            use_cache=False,
-        ).loss
+        from trainer.node import speedups
+
+        if self._parts is None or not speedups.enabled("chunked_loss"):
+            return self.model(
+                input_ids=input_ids,
+                labels=labels,
+                position_ids=position_ids,
+                num_items_in_batch=num_items_in_batch,
+                use_cache=False,
+            ).loss
+        decoder, head = self._parts
+        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        return chunked_cross_entropy(hidden, head, labels) / num_items_in_batch
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of head(hidden) against labels shifted left by one (position t predicts
+    labels[t + 1], the last predicts nothing), summed over the labelled positions, in chunks."""
+    from trainer.node.hf.chat import IGNORE
+
+    targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1).reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if hidden.device.type == "cpu":  # free here; on a GPU the selection would wait for the device
+        keep = targets != IGNORE
+        hidden, targets = hidden[keep], targets[keep]
+    chunk = max(256, CHUNK_LOGITS // head.out_features)
+    if hidden.shape[0] <= chunk:
+        return _head_loss(hidden, targets, head)
+    from torch.utils.checkpoint import checkpoint
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk):
+        part = slice(start, start + chunk)
+        total = total + checkpoint(_head_loss, hidden[part], targets[part], head, use_reentrant=False)
+    return total
+
+
+def _head_loss(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    from trainer.node.hf.chat import IGNORE
+
+    logits = head(hidden).float()
+    return nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")

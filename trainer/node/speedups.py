@@ -1,0 +1,61 @@
+"""The trainer's speed-ups (issue 41): one entry each, all on by default, each switched off by name for
+a measurement or a workaround: TRAINER_SPEEDUPS_OFF=name[,name...] (or `all`) in the training
+processes' environment. None changes what is trained: with one off, the loss agrees with it on within
+rounding (tests/local/test_speedups.py switches each one). Read where each is used, so a process that
+trains several times (a bench) can switch them between runs.
+
+A leaf module: no torch, no other trainer module (but the shared ConfigError).
+"""
+
+from __future__ import annotations
+
+import os
+
+from trainer.configerror import ConfigError
+
+VARIABLE = "TRAINER_SPEEDUPS_OFF"
+
+#: Name -> what it does (the words docs/performance.md and the log use).
+SPEEDUPS: dict[str, str] = {
+    "fused_adamw": "train.optimizer=adamw runs torch's fused AdamW kernel where torch has one for the "
+    "device (CUDA; the CPU in torch 2.4 and later): one kernel over all parameters instead of a loop "
+    "of small ones",
+    "async_loss": "no host-device synchronisation in a step: the loss stays on the device and is read "
+    "on logged steps only; the per-step stop vote (the GPU health check) is read one step late on GPUs",
+    "gc_freeze": "Python's garbage collector freezes what start-up made (the model, the data index), so "
+    "no collection walks it during the steps",
+    "chunked_loss": "the output head and the cross-entropy of a Hugging Face model run over chunks of "
+    "tokens, each chunk's logits recomputed in the backward pass: a micro batch's logits (tokens x "
+    "vocabulary, in fp32) are never held whole",
+    "lora_fused": "a LoRA layer (peft) computes base(x) + (dropout(x) @ A^T) @ (scale * B)^T with the "
+    "scale folded into the small matrix B and the sum made by the second matmul (addmm), instead of "
+    "separate passes over the layer's output for the scale and the sum; no dropout call at dropout 0",
+}
+
+
+def off() -> set[str]:
+    """The names switched off in this process's environment (ConfigError for an unknown name)."""
+    raw = os.environ.get(VARIABLE, "")
+    names = {name.strip() for name in raw.split(",") if name.strip()}
+    if "all" in names:
+        return set(SPEEDUPS)
+    unknown = names - set(SPEEDUPS)
+    if unknown:
+        raise ConfigError(
+            VARIABLE, f"unknown speed-up {', '.join(sorted(unknown))}; known: {', '.join(SPEEDUPS)}, all"
+        )
+    return names
+
+
+def enabled(name: str) -> bool:
+    if name not in SPEEDUPS:
+        raise KeyError(name)
+    return name not in off()
+
+
+def describe() -> str | None:
+    """A log line when some are off (None when all are on, the default)."""
+    names = off()
+    if not names:
+        return None
+    return f"speed-ups off ({VARIABLE}): {', '.join(n for n in SPEEDUPS if n in names)}"
