@@ -72,7 +72,9 @@ class Collator:
         if self.device.type != "cpu":
             tensors = [t.pin_memory().to(self.device, non_blocking=True) for t in tensors]
         position_ids = tensors[2] if positions is not None else None
-        count = torch.tensor(float(num_items), device=self.device)
+        # Filled on the device: torch.tensor(value, device=...) copies from pageable memory, which
+        # waits for the GPU to finish the work queued before it (a sync per micro-batch).
+        count = torch.full((), float(num_items), device=self.device)
         return tensors[0], tensors[1], position_ids, count
 
 
