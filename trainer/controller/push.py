@@ -146,6 +146,14 @@ def check_request(args: argparse.Namespace) -> Request:
     if not (source.is_dir() or source.is_file()):
         raise PushError(f"{args.local_path} is neither a directory nor a regular file: give one of those")
     source = source.resolve()
+    if outside := links_leading_outside(source):
+        raise PushError(
+            "; ".join(outside[:10])
+            + (f"; and {len(outside) - 10} more" if len(outside) > 10 else "")
+            + f": a push follows a link only where it stays inside {args.local_path} (or, in a Hugging "
+            "Face cache snapshot, leads into the cache's blobs/), since it reads what the link points to as "
+            "you and puts it on the shared dir; replace each with the file itself, or remove it"
+        )
     files, size = _count(source)
     if not files:
         raise PushError(f"{args.local_path} holds no file: nothing to push")
@@ -221,6 +229,28 @@ def push(request: Request, args: argparse.Namespace) -> int:
         )
     print(f"put this in your training config:\n  {request.kind.config_key}: {request.destination}")
     return exitcodes.OK
+
+
+def links_leading_outside(source: Path) -> list[str]:
+    """`LINK is a link to TARGET` for every link under `source` (resolved) that leads outside it, other
+    than a Hugging Face cache snapshot's links into its repository's blobs/ (`source` is
+    `.../models--ORG--NAME/snapshots/REVISION`, a link resolves inside `.../models--ORG--NAME/blobs`, a
+    real directory). A tree someone else prepared (an unpacked archive, a clone with committed links)
+    could otherwise make the push read the operator's files and copy them to the share."""
+    if not source.is_dir():
+        return []
+    blobs = source.parent.parent / "blobs"
+    allowed = [source] + ([blobs] if blobs.is_dir() and not blobs.is_symlink() else [])
+    found = []
+    for root, dirs, names in os.walk(source):
+        for name in [*dirs, *names]:
+            path = Path(root) / name
+            if not path.is_symlink():
+                continue
+            target = path.resolve()
+            if not any(target.is_relative_to(base) for base in allowed):
+                found.append(f"{path} is a link to {target}")
+    return found
 
 
 def _count(source: Path) -> tuple[int, int]:

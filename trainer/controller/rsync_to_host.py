@@ -185,7 +185,8 @@ class Difference:
 def _options(delete: bool) -> list[str]:
     # -r and --links: the tree as it is; --copy-unsafe-links: a link that points outside it (a Hugging
     # Face cache snapshot's links into ../../blobs) becomes the file it points to, which the far side
-    # could not reach.
+    # could not reach. trainer push refuses every other link leading outside first
+    # (push.links_leading_outside): the copy reads what a link points to as the operator.
     options = ["--recursive", "--links", "--copy-unsafe-links", f"--partial-dir={PARTIAL_DIR}"]
     return [*options, "--delete"] if delete else options
 
