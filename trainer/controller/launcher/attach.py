@@ -136,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         view.message(f"interrupted between two attempts: nothing of run {args.run_name} runs")
         return exitcodes.INTERRUPTED
+    except Exception as err:
+        launcher.stop_after_error(view, err)  # never left running with its lock released
+        raise
     finally:
         launcher.release_lock(view)
 

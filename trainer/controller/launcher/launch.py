@@ -47,7 +47,7 @@ from trainer import exitcodes
 from trainer.controller import forks
 from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
 from trainer.controller.launcher.launchfiles import launch_files
-from trainer.controller.launcher.live import JobMonitor, LiveView
+from trainer.controller.launcher.live import JobMonitor, LiveView, node_text
 from trainer.controller.launcher.plan import (
     JobPlan,
 )
@@ -489,6 +489,13 @@ class Launcher:
                     monitor.on_unreachable(host, items[-1].message)
         return result
 
+    def stop_after_error(self, view: LiveView, error: Exception) -> None:
+        """The launcher failed with `error` (restarts.RestartPolicy.run): stop the run everywhere."""
+        view.log(f"trainer launch: {error!r}: stopping the run on every node")
+        self._report_stop_problems(
+            self.stop(record=self._stop_record(None, "launcher_error", repr(error))), view
+        )
+
     @staticmethod
     def stop_problems(result: PlaybookResult) -> list[str]:
         """Hosts where the stop could not be confirmed, with why."""
@@ -751,16 +758,20 @@ class Launcher:
                 )
                 return Outcome(INTERRUPTED, "stopped", [], "stopped by trainer stop")
             stall = monitor.stall
-            if not monitor.must_stop and result is not None and result.output.strip():
-                view.message("[red]trainer launch: the launch playbook ended early[/red]")
-                view.log(result.output.strip()[-2000:])
-            # What is known now names the cause in the history record the stop writes; the stop's own
-            # answers (a node that does not answer it) complete it for the report below.
-            early = diagnose(monitor, bundled=plan.runs_bundled_trainer)
-            if stall is not None:
-                view.message(f"stalled ({stall.summary}): collecting stacks, then stopping every host")
-            elif early is not None:
-                view.message(f"{early.cause_phrase}; stopping the trainer on every host that answers")
+            early = None
+            try:  # nothing the nodes reported may keep the stop below from happening
+                if not monitor.must_stop and result is not None and result.output.strip():
+                    view.message("[red]trainer launch: the launch playbook ended early[/red]")
+                    view.log(result.output.strip()[-2000:])
+                # What is known now names the cause in the history record the stop writes; the stop's
+                # own answers (a node that does not answer it) complete it for the report below.
+                early = diagnose(monitor, bundled=plan.runs_bundled_trainer)
+                if stall is not None:
+                    view.message(f"stalled ({stall.summary}): collecting stacks, then stopping every host")
+                elif early is not None:
+                    view.message(f"{early.cause_phrase}; stopping the trainer on every host that answers")
+            except Exception as err:  # reported, then the stop
+                view.log(f"trainer launch: the failure could not be diagnosed before the stop: {err!r}")
             skipped = set(early.lost) if early is not None and leave_lost else set()
             stopped = self.stop(
                 monitor,
@@ -848,16 +859,23 @@ class Launcher:
             if name == "runner_on_unreachable":
                 unreachable.setdefault(failed_host, failed_text)
         host, task, text, _ = next((f for f in failures if f[0] not in unreachable), failures[0])
-        for lost, lost_text in unreachable.items():
-            monitor.on_unreachable(lost, lost_text)
-            view.message(f"[red]{lost} does not answer[/red] ({lost_text.splitlines()[0][:200]}): it is lost")
         reachable_failure = host not in unreachable
-        if reachable_failure:
-            view.message(f"[red]trainer launch: could not start on {host}[/red] ({task}): {text}")
-        if started:
-            view.message("stopping the nodes that had started")
-            record = {"why": "start_failed", "detail": text, "hosts": [host], "lost": list(unreachable)}
-            self.stop(record={**self._stop_record(None), **record}, skip=set(unreachable))
+        try:  # whatever fails in reporting, the started nodes are stopped
+            for lost, lost_text in unreachable.items():
+                monitor.on_unreachable(lost, lost_text)
+                first = lost_text.splitlines()[0][:200] if lost_text.strip() else "no answer"
+                view.message(f"[red]{lost} does not answer[/red] ({node_text(first)}): it is lost")
+            if reachable_failure:
+                view.message(
+                    f"[red]trainer launch: could not start on {host}[/red] ({node_text(task)}): "
+                    + node_text(text)
+                )
+            if started:
+                view.message("stopping the nodes that had started")
+        finally:
+            if started:
+                record = {"why": "start_failed", "detail": text, "hosts": [host], "lost": list(unreachable)}
+                self.stop(record={**self._stop_record(None), **record}, skip=set(unreachable))
         return Outcome(
             exitcodes.FAILURE if reachable_failure else exitcodes.NODE_LOST,
             "start_failed",

@@ -15,6 +15,7 @@ line per state change.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import time
@@ -24,8 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.errors import MarkupError
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from trainer.controller.launcher.world import WorldCheck
 from trainer.peer_loss import is_peer_loss
@@ -61,6 +65,63 @@ def printable(text: str) -> str:
     """Remote output with its control characters spelled out: an ESC sequence in a rank's log cannot
     clear the operator's screen, move the cursor or fake lines (a carriage return included)."""
     return text.translate(_CONTROLS)
+
+
+# --- what a node reports: written by the job, trusted for nothing ----------------------------------
+# The node dir and its records (the exit record, each rank's exit-R.json, torchrun's error files, the
+# progress records) are the training account's to write. A record of the wrong shape is noted once and
+# ignored: a `"time": "soon"` raised ValueError in the diagnosis, before the stop (issue 37).
+
+
+def _number(value: Any) -> float | None:
+    """A finite int or float (not a bool), as a float; None otherwise."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _integer(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _optional(record: dict[str, Any], key: str, check: Callable[[Any], Any]) -> bool:
+    return record.get(key) is None or check(record[key]) is not None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def well_formed_exit(record: Any) -> bool:
+    """A rank's exit record as trainer.node.exit_record writes it: an integer rank; time, code and
+    message, where given, a number, an integer and a string."""
+    return (
+        isinstance(record, dict)
+        and _integer(record.get("rank")) is not None
+        and _optional(record, "time", _number)
+        and _optional(record, "code", _integer)
+        and _optional(record, "message", _text)
+    )
+
+
+def well_formed_error(error: Any) -> bool:
+    """A rank's error file as torch's @record writes it (node_ctl.rank_errors reads it): local_rank an
+    integer; timestamp a number; message and traceback strings (each where given)."""
+    return (
+        isinstance(error, dict)
+        and _optional(error, "local_rank", _integer)
+        and _optional(error, "timestamp", _number)
+        and _optional(error, "message", _text)
+        and _optional(error, "traceback", _text)
+    )
+
+
+def node_text(value: object) -> str:
+    """Text from a node (a path, a name, an error, a lock holder's field) for a message with markup:
+    its control characters but newlines spelled out (printable) and rich markup escaped, so that
+    `[link=...]` or a stray `[/red]` shows as typed. Every node value in a LiveView.message goes
+    through here."""
+    return escape("\n".join(printable(line) for line in str(value).split("\n")))
 
 
 def short_duration(seconds: float) -> str:
@@ -240,6 +301,13 @@ class LiveView:
         self._guard(self.console.print, line, markup=False, highlight=False, soft_wrap=True)
 
     def message(self, text: str) -> None:
+        """`text` with its markup (node values in it escaped with node_text). Markup that does not parse
+        is printed as plain text, never raised: the launcher's stop comes after many a message."""
+        try:
+            Text.from_markup(text)
+        except MarkupError:
+            self._guard(self.console.print, printable(text), markup=False, highlight=False, soft_wrap=True)
+            return
         self._guard(self.console.print, text, highlight=False, soft_wrap=True)
 
     def states(self, hosts: list[HostState]) -> None:
@@ -337,6 +405,8 @@ class JobMonitor:
         #: The longest wait between two progress changes seen so far (a checkpoint write, an eval).
         self.longest_progress_gap_s = 0.0
         self._progress_key: tuple = ()
+        #: (host, kind, record) of each malformed record already noted (_well_formed).
+        self._ignored: set[tuple[str, str, str]] = set()
         # The bundled trainer's watchdog starts with its first rank's progress record (written once
         # the process group is up): loading a model or building DeepSpeed ops may take long before.
         self.watchdog_armed = not progress_from_steps
@@ -390,13 +460,14 @@ class JobMonitor:
             if not self.progress_from_steps:
                 self.last_progress_at = hs.last_output_at
         for record in report.get("progress") or []:
-            hs.progress[int(record.get("rank", 0))] = record
+            if isinstance(record, dict) and _integer(record.get("rank", 0)) is not None:
+                hs.progress[record.get("rank", 0)] = record
         if self.world is not None:
             self.world.note(hs.host, report.get("state"), report.get("joined"))
         if report.get("errors"):
-            hs.errors = list(report["errors"])
+            hs.errors = self._well_formed(hs, report["errors"], well_formed_error, "error file")
         if report.get("rank_exits"):
-            hs.rank_exits = list(report["rank_exits"])
+            hs.rank_exits = self._well_formed(hs, report["rank_exits"], well_formed_exit, "exit record")
         if self.progress_from_steps:
             key = tuple(
                 (h.host, rank, r.get("started"), r.get("done"))
@@ -429,8 +500,11 @@ class JobMonitor:
             hs.state = "running"
             hs.detail = self.step
         elif state == "exited" and exit_record is not None:
-            hs.exit_code = int(exit_record.get("exit_code", 1))
-            hs.exit_time = float(exit_record.get("time") or time.time())
+            if not isinstance(exit_record, dict):
+                exit_record = {}
+            code = _integer(exit_record.get("exit_code", 1))
+            hs.exit_code = 1 if code is None else code
+            hs.exit_time = _number(exit_record.get("time")) or time.time()
             if hs.exit_code == 0:
                 hs.state, hs.detail = "done", ""
             elif report.get("stop_requested"):
@@ -441,13 +515,26 @@ class JobMonitor:
             if report.get("stop_requested"):
                 hs.state, hs.detail = "stopped", ""
             else:
-                hs.exit_time = hs.exit_time or float(report.get("time") or time.time())
+                hs.exit_time = hs.exit_time or _number(report.get("time")) or time.time()
                 self.mark_failed(hs, "its processes are gone without an exit code (killed)")
         elif state == "none":
             self.mark_failed(hs, "nothing of this launch is on this node")
         for running in self.hosts.values():
             if running.state == "running":
                 running.detail = self.step
+
+    def _well_formed(
+        self, hs: HostState, records: Any, check: Callable[[Any], bool], what: str
+    ) -> list[dict[str, Any]]:
+        """The records of `records` that pass `check`; each other one noted once (reports repeat)."""
+        kept = []
+        for record in records if isinstance(records, list) else [records]:
+            if check(record):
+                kept.append(record)
+            elif (key := (hs.host, what, repr(record))) not in self._ignored:
+                self._ignored.add(key)
+                self.view.log(f"ignored a malformed {what} of {hs.host}: {printable(repr(record))[:300]}")
+        return kept
 
     def check_time(self) -> None:
         """The clock's part: a host past the unreachable grace fails; a job without progress stalls."""

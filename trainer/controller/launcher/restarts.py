@@ -95,6 +95,8 @@ class Attempts(Protocol):
 
     def release_lock(self, view: LiveView) -> None: ...
 
+    def stop_after_error(self, view: LiveView, error: Exception) -> None: ...
+
 
 class RestartPolicy:
     def __init__(
@@ -150,6 +152,11 @@ class RestartPolicy:
             # Between two attempts (each stops its nodes itself): nothing of this run is running.
             view.message(f"interrupted between two attempts: nothing of run {self.plan.run_name} runs")
             return exitcodes.INTERRUPTED
+        except Exception as err:
+            # The launcher itself failed (what it could not read, a bug): the run is stopped on every
+            # node before its lock is released, never left running unlocked.
+            launcher.stop_after_error(view, err)
+            raise
         finally:
             launcher.release_lock(view)
 
