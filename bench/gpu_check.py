@@ -8,6 +8,10 @@ each under `timeout`; this file does what is easier in Python:
     gpu_check.py worker RESULT -- train ...    # under torchrun: `trainer train ...` in this process,
                                                # then its peak memory into RESULT (rank 0)
     gpu_check.py summary WORK OUT              # one table on stdout, OUT/gpu_check.json
+    gpu_check.py variants --plan JSON [--budget-s S] [--no-save] RESULT -- SET...
+                                               # under torchrun: `trainer train` once per variant
+                                               # (speed-ups off by name, extra sets) in this process
+    gpu_check.py variants-summary WORK OUT     # the variants' table (before/after), OUT/speedups.json
     gpu_check.py slim-wheel WHEEL --keep GLOB...  # drop the shared libraries not kept (bitsandbytes)
 
 MFU = model FLOPs per token × tokens/s / peak, with N the model's parameters (the tied embedding counted
@@ -234,6 +238,128 @@ def worker(args: argparse.Namespace) -> int:
     return int(code) if isinstance(code, int) else 1
 
 
+# ---------------------------------------------------------------------------------------- variants
+
+
+def variants(args: argparse.Namespace) -> int:
+    """Several `trainer train` runs in this one process (torch, CUDA and the data loaded once), one per
+    variant of --plan: [{"name", "off": TRAINER_SPEEDUPS_OFF, "sets": [...]}]. Each gets its own
+    output dir under RESULT's folder and its peak memory; the result file is rewritten after each, so a
+    run cut short by its limit keeps what it measured. Variants that would start past --budget-s are
+    skipped. --no-save: no checkpoint, final model or parameter checksum (GBs at full size, and not
+    what is measured)."""
+    import gc
+
+    import torch
+
+    from trainer.cli import main
+
+    if args.no_save:
+        from trainer.node.engines import Engine
+        from trainer.node.hf.job import FineTune
+        from trainer.node.loop import Trainer
+
+        Trainer._save = lambda self, step, loss: None
+        FineTune.save_final = lambda self, *a, **k: None
+        Engine.parameter_checksum = lambda self: "not computed (bench)"
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    plan = json.loads(args.plan)
+    result_path = Path(args.result)
+    results: dict[str, dict] = {}
+    started = time.monotonic()
+    cuda = torch.cuda.is_available()
+    for variant in plan:
+        name = variant["name"]
+        if time.monotonic() - started > args.budget_s:
+            results[name] = {"status": "skipped", "note": f"past --budget-s {args.budget_s:g}"}
+            continue
+        out = result_path.parent / "runs" / name
+        os.environ["TRAINER_SPEEDUPS_OFF"] = variant.get("off", "")
+        sets = [
+            *rest,
+            *(a for s in variant.get("sets", []) for a in ("--set", s)),
+            "--set",
+            f"output_dir={out}",
+        ]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            code: int | str | None = main(["train", *sets])
+        except SystemExit as exit_:
+            code = exit_.code
+        except Exception as error:  # the next variant still runs
+            code = f"{type(error).__name__}: {error}"[:500]
+        record: dict = {
+            "status": "ok" if code == 0 else f"rc={code}",
+            "seconds": round(time.perf_counter() - t0, 1),
+            "off": variant.get("off", ""),
+            "sets": variant.get("sets", []),
+        }
+        if cuda:
+            record["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        metrics = out / "metrics.jsonl"
+        if metrics.is_file() and metrics.read_text().strip():
+            records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            record.update(_steady(records))
+            record["first_step_s"] = records[0].get("step_time_s")
+        results[name] = record
+        if os.environ.get("RANK", "0") == "0":
+            _json_write(result_path, results)
+            print(f"variant {name}: {json.dumps(record)}", flush=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    if os.environ.get("RANK", "0") == "0":
+        _json_write(result_path, results)
+    return 0
+
+
+def variants_summary(args: argparse.Namespace) -> int:
+    """One table of every WORK/variants/*.json: tokens/s, step, peak memory, MFU, the loss, and
+    each run's tokens/s against its group's `*_before` run."""
+    work, out = Path(args.work), Path(args.out)
+    parameters = _parameters(work)
+    peak = args.peak_tflops * 1e12
+    table: dict[str, dict] = {}
+    for path in sorted((work / "variants").glob("*.json")):
+        table.update(json.loads(path.read_text()))
+    for name, run in table.items():
+        lora = any(s.startswith("lora.enabled=true") for s in run.get("sets", []))
+        if parameters and run.get("tokens_per_s"):
+            run["mfu_pct"] = round(100 * (4 if lora else 6) * parameters * run["tokens_per_s"] / peak, 2)
+        before = table.get(name.split("__")[0].rsplit("_", 1)[0] + "_before", {})
+        if run.get("tokens_per_s") and before.get("tokens_per_s"):
+            run["vs_before"] = round(run["tokens_per_s"] / before["tokens_per_s"], 3)
+    env_info = json.loads((work / "env.json").read_text()) if (work / "env.json").is_file() else {}
+    out.mkdir(parents=True, exist_ok=True)
+    _json_write(out / "speedups.json", {"env": env_info, "model_parameters": parameters, "runs": table})
+    print(
+        f"\n== speed-ups: {env_info.get('gpu', 'no GPU')}, torch {env_info.get('torch')}, "
+        f"matmul {env_info.get('matmul_bf16_8192_tflops')} TFLOP/s; model {parameters} parameters; "
+        f"MFU against {args.peak_tflops:g} TFLOP/s (6N full, 4N LoRA)"
+    )
+    header = (
+        f"{'run':<28}{'status':<9}{'tok/s':>10}{'x before':>9}{'step ms':>9}{'peak GiB':>9}{'MFU %':>7}  loss"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, run in table.items():
+        loss = (
+            f"{run['loss_first']:.4f}->{run['loss_last']:.4f}" if "loss_first" in run else run.get("note", "")
+        )
+        cells = [
+            f"{run.get('tokens_per_s'):10,.0f}" if run.get("tokens_per_s") else f"{'-':>10}",
+            f"{run.get('vs_before'):9.3f}" if run.get("vs_before") else f"{'-':>9}",
+            f"{run.get('step_time_ms'):9.1f}" if run.get("step_time_ms") else f"{'-':>9}",
+            f"{run.get('peak_allocated_gib'):9.2f}" if run.get("peak_allocated_gib") else f"{'-':>9}",
+            f"{run.get('mfu_pct'):7.2f}" if run.get("mfu_pct") else f"{'-':>7}",
+        ]
+        print(f"{name:<28}{run.get('status', '?'):<9}{''.join(cells)}  {loss}")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------- summary
 
 
@@ -414,6 +540,16 @@ def main(argv: list[str] | None = None) -> int:
     summary_parser.add_argument("work")
     summary_parser.add_argument("out")
     summary_parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
+    variants_parser = commands.add_parser("variants")
+    variants_parser.add_argument("result")
+    variants_parser.add_argument("--plan", required=True, help="JSON list of {name, off, sets}")
+    variants_parser.add_argument("--budget-s", type=float, default=1e9)
+    variants_parser.add_argument("--no-save", action="store_true")
+    variants_parser.add_argument("rest", nargs=argparse.REMAINDER)
+    variants_summary_parser = commands.add_parser("variants-summary")
+    variants_summary_parser.add_argument("work")
+    variants_summary_parser.add_argument("out")
+    variants_summary_parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     slim = commands.add_parser("slim-wheel")
     slim.add_argument("wheel")
     slim.add_argument("--keep", nargs="+", required=True)
@@ -424,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         "data": data,
         "worker": worker,
         "summary": summary,
+        "variants": variants,
+        "variants-summary": variants_summary,
         "slim-wheel": slim_wheel,
     }[args.command]
     return handler(args)

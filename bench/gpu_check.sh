@@ -12,6 +12,11 @@
 # the `run` call. Each step runs under `timeout`; a failed step is recorded and the next one runs; runs
 # that would start after GPU_CHECK_DEADLINE seconds (default 330) are skipped, so the whole script
 # ends within about 6 minutes. GPU_CHECK_RUNS="zero3_full accelerate_full" runs only those (a rerun).
+#
+# GPU_CHECK_SPEEDUPS=1: instead of the runs above, issue 41's before/after: each group's runs in one
+# torchrun process (`gpu_check.py variants`, no checkpoint written), `*_before` with every speed-up off
+# (TRAINER_SPEEDUPS_OFF=all: the trainer as it was), `*_after` with all on (the defaults), then each
+# speed-up off alone and train.compile on; the table in $OUT/speedups.json and at the end of the output.
 set -u
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -49,12 +54,12 @@ echo "gpu_check: work dir $WORK, mode $([ "$CPU" = 1 ] && echo cpu || echo gpu)"
 
 if [ "$CPU" = 1 ]; then
   MODEL_ARGS=(--hidden 64 --layers 2 --vocab 1024)
-  RECORDS=40 CHARS=1200 MAXLEN=128 MB=4 STEPS=6 LOG_EVERY=2 PRECISION=auto
+  RECORDS=40 CHARS=1200 MAXLEN=128 MB=4 STEPS=6 LOG_EVERY=2 PRECISION=auto VSTEPS=14 VLOG_EVERY=2
 else
   # Qwen2 layout, about 0.4B parameters: 24 layers of hidden 1024 (16 heads, 4 KV heads, MLP 4096),
   # a 32000-row tied embedding over an 8192-token BPE tokenizer.
   MODEL_ARGS=(--hidden 1024 --layers 24 --heads 16 --kv-heads 4 --intermediate 4096 --vocab 8192 --model-vocab 32000)
-  RECORDS=520 CHARS=5600 MAXLEN=1024 MB=16 STEPS=30 LOG_EVERY=10 PRECISION=bf16
+  RECORDS=520 CHARS=5600 MAXLEN=1024 MB=16 STEPS=30 LOG_EVERY=10 PRECISION=bf16 VSTEPS=25 VLOG_EVERY=5
 fi
 MODEL=$WORK/model
 DATA=$WORK/data.jsonl
@@ -76,6 +81,35 @@ step() {
 skip() {
   printf '%s\t%s\t0\t%s\n' "$1" skipped "$2" >>"$WORK/steps.tsv"
   echo "--- $1: skipped ($2)"
+}
+
+# variants TAG PLAN_JSON: one torchrun process, `trainer train` once per variant of the plan.
+variants() {
+  local tag=$1 plan=$2 left limit t0=$SECONDS rc status
+  left=$((DEADLINE - (SECONDS - START)))
+  if [ "$left" -lt 40 ]; then
+    skip "variants_$tag" "deadline: ${left}s left of GPU_CHECK_DEADLINE=${DEADLINE}"
+    return
+  fi
+  limit=$left
+  mkdir -p "$WORK/variants"
+  local sets=(
+    "model.name_or_path=$MODEL" "data.path=$DATA" data.format=text "model.max_length=$MAXLEN"
+    "train.max_steps=$VSTEPS" "train.log_every=$VLOG_EVERY" "train.micro_batch_size=$MB"
+    train.gradient_accumulation_steps=1 train.learning_rate=0.0001 train.min_lr=0.00001 train.warmup_steps=5
+    "train.mixed_precision=$PRECISION" checkpoint.save_steps=0 checkpoint.resume=never health.poll_interval_s=1
+  )
+  local args=()
+  for s in "${sets[@]}"; do args+=(--set "$s"); done
+  echo "--- variants $tag (limit ${limit}s)"
+  timeout -k 10 "$limit" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+    bench/gpu_check.py variants --no-save --plan "$plan" --budget-s $((limit - 30)) \
+    "$WORK/variants/$tag.json" -- "${args[@]}" >"$WORK/logs/variants_$tag.log" 2>&1
+  rc=$?
+  case $rc in 0) status=ok ;; 124 | 137) status=timeout ;; *) status="rc=$rc" ;; esac
+  printf '%s\t%s\t%s\n' "variants_$tag" "$status" "$((SECONDS - t0))" >>"$WORK/steps.tsv"
+  grep -E "^variant |Error|error:|trainer:" "$WORK/logs/variants_$tag.log" | cut -c1-400 | tail -n 24
+  echo "--- variants $tag: $status in $((SECONDS - t0)) s"
 }
 
 # train NAME SET...: `trainer train` (bench/gpu_check.py worker) under torchrun, 1 process.
@@ -135,7 +169,26 @@ step build_data 60 "$PY" bench/gpu_check.py data "$DATA" --records "$RECORDS" --
 # load waits on forever: the project's own tool removes the locks nobody holds.
 timeout 30 "$PY" -m trainer.torch_extensions remove-stale >"$WORK/logs/remove_stale.log" 2>&1
 
-if [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
+LORA=(lora.enabled=true lora.r=16 lora.alpha=32)
+if [ "${GPU_CHECK_SPEEDUPS:-0}" = 1 ] && [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
+  v() { # v NAME OFF SET...: one variant as JSON
+    local name=$1 off=$2
+    shift 2
+    "$PY" -c 'import json, sys; print(json.dumps({"name": sys.argv[1], "off": sys.argv[2], "sets": sys.argv[3:]}))' "$name" "$off" "$@"
+  }
+  plan() { local IFS=,; echo "[$*]"; }
+  QLORA=()
+  [ "$CPU" = 1 ] || QLORA=("$(v qlora_before all "${LORA[@]}" lora.qlora=true)" "$(v qlora_after "" "${LORA[@]}" lora.qlora=true)")
+  variants ddp "$(plan "$(v full_before all)" "$(v full_after "")" "$(v lora_before all "${LORA[@]}")" \
+    "$(v lora_after "" "${LORA[@]}")" "${QLORA[@]}")"
+  variants zero2_before "$(plan "$(v zero2_before all distributed.engine=deepspeed distributed.zero_stage=2)")"
+  variants zero2_after "$(plan "$(v zero2_after "" distributed.engine=deepspeed distributed.zero_stage=2)")"
+  variants each "$(plan "$(v full_compile "" train.compile=true)" "$(v full__chunked_loss_off chunked_loss)" \
+    "$(v full__async_loss_off async_loss)" "$(v full__fused_adamw_off fused_adamw)" \
+    "$(v lora__lora_fused_off lora_fused "${LORA[@]}")" "$(v lora_dropout0 "" "${LORA[@]}" lora.dropout=0)" \
+    "$(v full__gc_freeze_off gc_freeze)" "$(v lora_compile "" "${LORA[@]}" train.compile=true)")"
+  timeout 60 "$PY" bench/gpu_check.py variants-summary "$WORK" "$OUT" | tee "$OUT/speedups_summary.txt"
+elif [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
   train ddp_full distributed.engine=ddp
   train ddp_lora distributed.engine=ddp lora.enabled=true lora.r=16 lora.alpha=32
   # Where LoRA's time goes: the same run without the adapters' input dropout (named runs only).
@@ -156,5 +209,5 @@ fi
 
 timeout 60 "$PY" bench/gpu_check.py summary "$WORK" "$OUT" | tee "$OUT/gpu_check_summary.txt"
 tar -czf "$OUT/gpu_check_logs.tar.gz" -C "$WORK" --exclude='*/out/checkpoints' --exclude='*/out/final' \
-  logs runs steps.tsv $(cd "$WORK" && ls env.json health.json 2>/dev/null) 2>/dev/null
+  logs runs steps.tsv $(cd "$WORK" && ls -d variants env.json health.json 2>/dev/null) 2>/dev/null
 echo "gpu_check: done in $((SECONDS - START)) s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

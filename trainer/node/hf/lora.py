@@ -104,13 +104,16 @@ def apply_lora(
         task_type="CAUSAL_LM",
     )
     model = peft.get_peft_model(model, lora)
-    fuse_lora_layers(model)
+    from trainer.node import speedups
+
+    if speedups.enabled("lora_fused"):
+        fuse_lora_layers(model)
     return model
 
 
 def fuse_lora_layers(model: torch.nn.Module) -> int:
-    """Give each peft LoRA layer the fused forward below (used while the lora_fused speed-up is on and
-    the layer is in the plain state it handles; else peft's own). Returns how many layers got it."""
+    """Give each peft LoRA layer the fused forward below (used while the layer is in the plain state it
+    handles; else peft's own). Returns how many layers got it."""
     import types
 
     import torch
@@ -134,8 +137,6 @@ def _fused_lora_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
     (DoRA), extra arguments, or dtypes that only autocast reconciles."""
     import torch
 
-    from trainer.node import speedups
-
     active = self.active_adapters
     name = active[0] if len(active) == 1 else None
     plain = (
@@ -146,7 +147,6 @@ def _fused_lora_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
         and not self.merged
         and name in self.lora_A
         and name not in getattr(self, "lora_variant", {})
-        and speedups.enabled("lora_fused")
     )
     if not plain:
         return type(self).forward(self, x, *args, **kwargs)

@@ -175,6 +175,8 @@ def load_model(
 PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
 #: Logits held at once by the chunked loss: tokens per chunk × vocabulary (2^27: 512 MiB in fp32).
 CHUNK_LOGITS = 2**27
+#: Fewest tokens per chunk (a huge vocabulary would otherwise make chunks too small to run fast).
+MIN_CHUNK_TOKENS = 256
 
 
 class CausalLMLoss(nn.Module):
@@ -189,6 +191,8 @@ class CausalLMLoss(nn.Module):
     wait for the device). The loss is the model's own, up to the order of the sum."""
 
     def __init__(self, model: nn.Module):
+        from trainer.node import speedups
+
         super().__init__()
         self.model = model
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -201,6 +205,7 @@ class CausalLMLoss(nn.Module):
             # ZeRO-3 partitions the weights (loaded so, under deepspeed.zero.Init) and gathers each for
             # its module's own forward: the model's own path.
             and not hasattr(head.weight, "ds_id")
+            and speedups.enabled("chunked_loss")
         )
         # Not attributes: a second path to the same modules would show in state_dict and named_modules.
         self._parts = (hf.get_decoder(), head) if plain else None
@@ -212,9 +217,7 @@ class CausalLMLoss(nn.Module):
         position_ids: torch.Tensor | None,
         num_items_in_batch: torch.Tensor,
     ) -> torch.Tensor:
-        from trainer.node import speedups
-
-        if self._parts is None or not speedups.enabled("chunked_loss"):
+        if self._parts is None:
             return self.model(
                 input_ids=input_ids,
                 labels=labels,
@@ -225,6 +228,19 @@ class CausalLMLoss(nn.Module):
         decoder, head = self._parts
         hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         return chunked_cross_entropy(hidden, head, labels) / num_items_in_batch
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch.compile each decoder layer (regional compilation): the layers share their code, so one
+        compilation serves them all (a fraction of the whole model's compile time), and the chunked
+        loss stays outside any graph. The inductor cache (TORCHINDUCTOR_CACHE_DIR, default under /tmp)
+        is node-local: a second run on the node compiles from it, warm."""
+        hf = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        layers = getattr(hf.get_decoder(), "layers", None) if hasattr(hf, "get_decoder") else None
+        if not isinstance(layers, nn.ModuleList) or not len(layers):
+            super().compile(*args, **kwargs)
+            return
+        for layer in layers:
+            layer.compile(*args, **kwargs)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
@@ -237,7 +253,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.T
     if hidden.device.type == "cpu":  # free here; on a GPU the selection would wait for the device
         keep = targets != IGNORE
         hidden, targets = hidden[keep], targets[keep]
-    chunk = max(256, CHUNK_LOGITS // head.out_features)
+    chunk = max(MIN_CHUNK_TOKENS, CHUNK_LOGITS // head.out_features)
     if hidden.shape[0] <= chunk:
         return _head_loss(hidden, targets, head)
     from torch.utils.checkpoint import checkpoint

@@ -1,0 +1,119 @@
+"""Issue 41's speed-ups, each switched on and off (TRAINER_SPEEDUPS_OFF) on the tiny Qwen2: what is
+trained does not change. The chunked loss gives the model's own loss and gradients (over several
+chunks), the fused LoRA layer peft's output and gradients (with dropout too, same seed), the fused
+AdamW the default AdamW's step. tests/local/test_speedups_local.py runs `trainer train` with all of
+them on and off."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers.finetune_harness import hf_cache, tiny_model  # noqa: F401
+
+from trainer.configerror import ConfigError
+from trainer.node import speedups
+from trainer.node.hf import model as hf_model
+from trainer.node.hf.chat import IGNORE
+from trainer.node.hf.lora import LoraConfig, apply_lora
+from trainer.node.hf.model import CausalLMLoss
+from trainer.node.optim import build_optimizer
+from trainer.node.schedule import TrainConfig
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_model):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+
+
+def batch(vocab: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab, (3, 90), generator=generator)
+    labels = input_ids.clone()
+    labels[:, :25] = IGNORE  # a prompt: no loss on it
+    labels[2, 70:] = IGNORE  # a padded row
+    num_items = torch.tensor(float((labels[:, 1:] != IGNORE).sum()))
+    return input_ids, labels, None, num_items
+
+
+def loss_and_grads(wrapper: torch.nn.Module, inputs) -> tuple[float, dict[str, torch.Tensor]]:
+    wrapper.zero_grad()
+    loss = wrapper(*inputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in wrapper.named_parameters() if p.grad is not None}
+    return loss.item(), grads
+
+
+def assert_same(a: tuple[float, dict], b: tuple[float, dict]) -> None:
+    assert a[0] == pytest.approx(b[0], rel=1e-5)
+    assert a[1].keys() == b[1].keys() and a[1]
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_chunked_loss_is_the_models_own_loss_and_gradients(qwen2, monkeypatch):
+    inputs = batch(qwen2.config.vocab_size)
+    monkeypatch.setenv(speedups.VARIABLE, "chunked_loss")
+    own = CausalLMLoss(qwen2)
+    assert own._parts is None, "switched off: the model computes its own loss"
+    monkeypatch.delenv(speedups.VARIABLE)
+    # Chunks of 40 labelled tokens: the 150 of the batch take four, each recomputed in the backward.
+    monkeypatch.setattr(hf_model, "CHUNK_LOGITS", 40 * qwen2.config.vocab_size)
+    monkeypatch.setattr(hf_model, "MIN_CHUNK_TOKENS", 1)
+    chunked = CausalLMLoss(qwen2)
+    assert chunked._parts is not None, "a Qwen2 takes the chunked path"
+    assert_same(loss_and_grads(own, inputs), loss_and_grads(chunked, inputs))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_fused_lora_layers_give_pefts_output_and_gradients(qwen2, dropout, monkeypatch):
+    config = LoraConfig(enabled=True, r=4, alpha=8, dropout=dropout)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def adapted(off: str) -> torch.nn.Module:
+        monkeypatch.setenv(speedups.VARIABLE, off)
+        torch.manual_seed(1)  # the same adapters
+        model = apply_lora(copy.deepcopy(qwen2), config, targets, gradient_checkpointing=False)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: the adapters would add nothing
+                torch.nn.init.normal_(param, std=0.2)
+        return CausalLMLoss(model)
+
+    peft_own, fused = adapted("lora_fused"), adapted("")
+    fused_layers = [m for m in fused.modules() if "forward" in vars(m)]
+    assert len(fused_layers) == 2 * len(targets), "every adapted projection of both layers is fused"
+    assert not any("forward" in vars(m) for m in peft_own.modules())
+    inputs = batch(qwen2.config.vocab_size)
+    torch.manual_seed(2)
+    expected = loss_and_grads(peft_own, inputs)
+    torch.manual_seed(2)  # the same dropout masks, drawn in the same order
+    assert_same(expected, loss_and_grads(fused, inputs))
+
+
+def test_fused_adamw_steps_as_the_default_adamw_does(monkeypatch):
+    config = TrainConfig(learning_rate=0.01, weight_decay=0.1)
+    trained = []
+    for off in ("fused_adamw", ""):
+        monkeypatch.setenv(speedups.VARIABLE, off)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+        optimizer, _ = build_optimizer(model, config)
+        assert bool(optimizer.defaults["fused"]) == (off == ""), optimizer.defaults
+        for step in range(5):
+            torch.manual_seed(step)
+            model(torch.randn(8, 16)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        trained.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(trained[0], trained[1], rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_speedup_name_is_refused_with_the_known_ones(monkeypatch):
+    monkeypatch.setenv(speedups.VARIABLE, "chunked_los")
+    with pytest.raises(ConfigError, match="unknown speed-up chunked_los; known: fused_adamw"):
+        speedups.describe()
+    monkeypatch.setenv(speedups.VARIABLE, "all")
+    assert speedups.describe().endswith("fused_adamw, async_loss, gc_freeze, chunked_loss, lora_fused")
