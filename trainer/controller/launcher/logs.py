@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     # inventory's). With -f the watch brings the head's last lines itself.
     info, head_report, problem = launch_info(plan, 0 if args.follow else args.lines)
     if info is None:
-        print(f"trainer logs: {problem}", file=sys.stderr)
+        note(problem)
         # The head answered and has no such run: the name is wrong. Else the head is out of reach.
         return exitcodes.CONFIG_ERROR if head_report is not None else exitcodes.FAILURE
     launched = {str(host): int(rank) for host, rank in (info.get("nodes") or {}).items()}
@@ -153,7 +153,9 @@ class LinePrinter:
 
 
 def note(text: str) -> None:
-    print(f"trainer logs: {text}", file=sys.stderr, flush=True)
+    """A line on stderr; what it says of the nodes (a run dir's name, an error) has its control
+    characters spelled out."""
+    print(f"trainer logs: {printable(text)}", file=sys.stderr, flush=True)
 
 
 def print_last_lines(

@@ -27,11 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rich.markup import escape
-
 from trainer import exitcodes
 from trainer.controller.inventory import InventoryError
 from trainer.controller.launcher.failure import Outcome
+from trainer.controller.launcher.live import node_text
 from trainer.controller.launcher.plan import JobPlan, PlanError
 from trainer.controller.launcher.topology import TopologyError
 
@@ -197,7 +196,9 @@ class RestartPolicy:
             return None
         if not outcome.restartable:
             if self.max_restarts:
-                view.message(f"not restarted: {escape(outcome.reason)} (a restart would fail the same way)")
+                view.message(
+                    f"not restarted: {node_text(outcome.reason)} (a restart would fail the same way)"
+                )
             return None
         if diagnosis is not None:
             self.caused[diagnosis.cause.host] += 1
@@ -329,7 +330,7 @@ class RestartPolicy:
         elif lost:
             what = f"{', '.join(lost)} lost{at}"
         else:
-            what = escape(outcome.reason)
+            what = node_text(outcome.reason)
         nodes = plan.topology.nnodes
         where = f"on {nodes} node{'s' if nodes != 1 else ''}"
         if plan.runs_bundled_trainer:

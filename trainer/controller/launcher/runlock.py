@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from trainer.controller.launcher.live import printable
 from trainer.controller.runner import run_playbook
 from trainer.joblock import process_alive, process_start
 
@@ -55,14 +56,23 @@ def holder_state(holder: dict[str, Any] | None) -> str:
     return "alive" if process_alive(holder.get("pid"), holder.get("pid_start")) else "dead"
 
 
+def time_text(value: Any) -> str:
+    """A record's Unix time as local `YYYY-mm-dd HH:MM:SS`; `?` for anything that is not one (the
+    records are the training account's to write)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(value)))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "?"
+
+
 def describe_holder(holder: dict[str, Any] | None) -> str:
-    if not holder:
+    """The lock's holder in words, as plain text: each field the training account could have written
+    has its control characters spelled out (a view.message still escapes it: live.node_text)."""
+    if not isinstance(holder, dict) or not holder:
         return "an unreadable lock file (no holder named in it)"
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("taken_at") or 0)))
-    return (
-        f"{holder.get('command', 'trainer launch')} pid {holder.get('pid')} on {holder.get('controller')} "
-        f"(user {holder.get('user')}), since {since}"
-    )
+    command, pid = printable(str(holder.get("command", "trainer launch"))), printable(str(holder.get("pid")))
+    controller, user = printable(str(holder.get("controller"))), printable(str(holder.get("user")))
+    return f"{command} pid {pid} on {controller} (user {user}), since {time_text(holder.get('taken_at'))}"
 
 
 @dataclass

@@ -13,7 +13,6 @@ import argparse
 import json
 import socket
 import sys
-import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -23,7 +22,7 @@ from trainer.controller.forks import forks_for
 from trainer.controller.inventory import InventoryError
 from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError, make_plan
-from trainer.controller.launcher.runlock import describe_holder, holder_state
+from trainer.controller.launcher.runlock import describe_holder, holder_state, time_text
 from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.runner import PlaybookResult, run_playbook
 
@@ -155,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"info": info, "reports": reports}, indent=2))
         return exitcodes.OK if all(reports.values()) else exitcodes.FAILURE
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info.get("launched_at") or 0)))
+    started = time_text(info.get("launched_at"))
     follower = f"launcher pid {info.get('launcher_pid')} on {info.get('controller')}" + (
         " (still running)" if launcher_alive(info) else ""
     )

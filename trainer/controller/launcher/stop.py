@@ -24,7 +24,7 @@ from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import Cluster, InventoryError, load_cluster
 from trainer.controller.launcher.launch import STOP_TASK, Launcher, WatchOptions
-from trainer.controller.launcher.live import LiveView
+from trainer.controller.launcher.live import LiveView, node_text, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state
 from trainer.controller.launcher.status import launch_info
@@ -80,9 +80,9 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
         else:
             # The head does not answer, or started nothing of a run that exists (its start failed):
             # the inventory's nodes are the best guess of where the launch runs.
-            view.message(f"{problem}: stopping the run on every node of the inventory")
+            view.message(f"{node_text(problem)}: stopping the run on every node of the inventory")
     except (InventoryError, TopologyError, PlanError, StopError) as err:
-        print(f"{verb}: {err}", file=sys.stderr)
+        print(f"{verb}: {printable(str(err))}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     launcher = Launcher(plan, options, command=verb)
     launcher.launch_id = str((info or {}).get("launch_id") or launcher.launch_id)
@@ -91,8 +91,9 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
     holder = (head_report or {}).get("lock")
     if holder and holder_state(holder) == "dead":
         view.message(
-            f"run {run_name} stays locked by {describe_holder(holder)}, which no longer runs: the next "
-            f"`trainer launch` of it needs --force (or `trainer attach` takes the lock and ends at once)"
+            f"run {run_name} stays locked by {node_text(describe_holder(holder))}, which no longer runs: "
+            "the next `trainer launch` of it needs --force (or `trainer attach` takes the lock and ends at "
+            "once)"
         )
     return exitcodes.OK if result.succeeded else exitcodes.FAILURE
 
