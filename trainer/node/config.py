@@ -23,6 +23,8 @@ import difflib
 import inspect
 import itertools
 import json
+import logging
+import os
 import re
 import textwrap
 import types
@@ -86,6 +88,58 @@ class ModelConfig:
             f"must be a positive multiple of model.n_head={self.n_head} (got {self.n_embd})",
         )
         require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1) (got {self.dropout})")
+
+    def check_positions(self, model_config: Any) -> None:
+        """ConfigError("model.max_length") when a Hugging Face model has fewer positions than max_length:
+        rows past them would train on positions the model never learnt (or fail deep in its attention).
+        `model_config` is the model's transformers config (its config.json)."""
+        limit, name = _positions(model_config)
+        if limit is None or self.max_length <= limit:
+            return
+        rope = _rope_settings(model_config)
+        scaling = (
+            "; or, since it uses rotary positions, a longer context by rope scaling in its config.json "
+            '(e.g. "rope_scaling": {"rope_type": "yarn", "factor": '
+            f"{-(-self.max_length // limit)}.0}}, where the model supports it)"
+            if rope is not None and rope.get("rope_type", rope.get("type", "default")) == "default"
+            else ""
+        )
+        raise ConfigError(
+            "model.max_length",
+            f"{self.max_length} tokens is more than the model's {limit} positions ({name} in its "
+            f"config.json): use model.max_length={limit} or less{scaling}",
+        )
+
+
+#: Where models' configs give their number of positions, in the order tried.
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def _positions(model_config: Any) -> tuple[int | None, str]:
+    """(the positions a model can take, the config field that says so); (None, '') where none does.
+    A rope scaling with a factor over the original positions multiplies them."""
+    for name in POSITION_FIELDS:
+        value = getattr(model_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            rope = _rope_settings(model_config) or {}
+            factor, original = rope.get("factor"), rope.get("original_max_position_embeddings")
+            kind = rope.get("rope_type", rope.get("type", "default"))
+            if kind != "default" and isinstance(factor, int | float) and factor > 1 and original == value:
+                return int(value * factor), f"{name} × the rope scaling factor {factor:g}"
+            return value, name
+    return None, ""
+
+
+def _rope_settings(model_config: Any) -> dict[str, Any] | None:
+    """A model's rotary position settings (transformers 5's rope_parameters, 4's rope_scaling), or None
+    for a model without rotary positions."""
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(model_config, name, None)
+        if isinstance(value, dict):
+            return value
+    if getattr(model_config, "rope_theta", None) is not None:
+        return {}
+    return None
 
 
 @dataclass(kw_only=True)
@@ -153,6 +207,20 @@ class TrainerConfig:
             "and bitsandbytes' 8-bit state is untested inside it); use train.optimizer=adamw with "
             "deepspeed, or distributed.engine=ddp or accelerate for 8-bit AdamW",
         )
+
+    def warnings(self) -> list[str]:
+        """Settings that load but would not do what they seem to: `lora.*` set while LoRA is off (a
+        translated or copied block that trains every weight instead of an adapter)."""
+        if self.lora.enabled:
+            return []
+        defaults = LoraConfig()
+        return [
+            f"lora.{name} is set ({getattr(self.lora, name)!r}) but lora.enabled is false: this run trains "
+            "every weight (a full fine-tune); set lora.enabled: true to train a LoRA adapter, or leave "
+            f"lora.{name} out"
+            for name in ("r", "alpha", "dropout", "target_modules")
+            if getattr(self.lora, name) != getattr(defaults, name)
+        ]
 
     def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
         """Plain data. The webhook URL is a secret, and so is a credential inside any URL (a token
@@ -256,16 +324,40 @@ def _unknown_keys(tree: Any, cls: type, prefix: str = "") -> list[ConfigError]:
 
 def _one_error(unknown: list[ConfigError], tree: dict[str, Any], source: Path) -> ConfigError:
     """All of a file's unknown keys in one error (a config from another tool has a score of them),
-    with the plain renames written out in this trainer's words."""
+    with the whole config written out in this trainer's words: a block that loads as it stands."""
     if len(unknown) == 1:
         return unknown[0]
     lines = [f"{len(unknown)} unknown keys in {source}:"] + [f"  {err}" for err in unknown]
-    renamed = config_aliases.renames(tree, [err.key for err in unknown])
-    if renamed:
-        lines += ["These, in this trainer's words (the rest as noted above):"]
-        lines += [f"  {line}" for line in yaml.safe_dump(renamed, sort_keys=False).splitlines()]
+    translation = config_aliases.translate(tree, [err.key for err in unknown])
+    block, refused = _loadable(translation.block)
+    if block:
+        lines += ["In this trainer's words (paste it as your config; what has no counterpart is left out):"]
+        lines += [f"  {line}" for line in yaml.safe_dump(block, sort_keys=False).splitlines()]
+    for note in [*translation.left_out, *refused]:
+        lines.append(f"  # left out: {note}")
     lines.append("(every key: trainer train --help-config)")
     return ConfigError("", "\n".join(lines))
+
+
+def _loadable(block: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The block less each value this trainer refuses (each said), so that it loads as it stands."""
+    refused: list[str] = []
+    for _ in range(20):
+        try:
+            _build(TrainerConfig, block, "")
+        except ConfigError as err:
+            section, _, name = err.key.rpartition(".")
+            node = block.get(section, {}) if section else block
+            if not isinstance(node, dict) or name not in node:
+                refused.append(f"{err}")
+                return {}, refused
+            refused.append(f"{err}")
+            del node[name]
+            if section and not node:
+                del block[section]
+            continue
+        return block, refused
+    return {}, refused
 
 
 def _build(cls: type, values: Any, prefix: str) -> Any:
@@ -361,7 +453,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     if unknown:
         raise _one_error(unknown, tree, source)
     _steps_or_epochs(tree, in_file, set_here)
-    return _build(TrainerConfig, tree, "")
+    config = _build(TrainerConfig, tree, "")
+    for warning in config.warnings():
+        if os.environ.get("RANK", "0") == "0":  # one copy of it in a job's log
+            logging.getLogger("trainer.config").warning(warning)
+    return config
 
 
 def _steps_or_epochs(tree: dict[str, Any], in_file: dict[str, Any], set_here: set[str]) -> None:

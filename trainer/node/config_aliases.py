@@ -15,6 +15,7 @@ A leaf module (no trainer imports): the loader and the controller read it withou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 AXOLOTL = "axolotl"
@@ -184,24 +185,184 @@ def explain(name: str, key: str) -> str | None:
 
 _ABSENT = object()
 
+#: Their chat template names -> ours: what they call the model's own template, and the ones bundled here.
+#: Any other name (qwen, mistral, gemma, ...) is a model's own template: the tokenizer's.
+TEMPLATES = {"chatml": "chatml", "llama3": "llama3", "tokenizer_default": "tokenizer"}
+#: Their dataset `type`s -> data.format (axolotl's chat_template reads `messages` by default).
+DATASET_TYPES = {
+    "alpaca": "alpaca",
+    "sharegpt": "sharegpt",
+    "chat_template": "messages",
+    "completion": "text",
+    "messages": "messages",
+    "prompt_completion": "prompt_completion",
+}
+SCHEDULES = {
+    "cosine": "cosine",
+    "linear": "linear",
+    "constant": "constant",
+    "constant_with_warmup": "constant",
+    "cosine_with_min_lr": "cosine",
+}
+OPTIMIZERS = {
+    "adamw": "adamw",
+    "adamw_torch": "adamw",
+    "adamw_hf": "adamw",
+    "adamw_torch_fused": "adamw_fused",
+    "adamw_bnb_8bit": "adamw_8bit",
+    "adamw_8bit": "adamw_8bit",
+}
 
-def renames(tree: dict, unknown: list[str]) -> dict:
-    """The settings under the unknown dotted keys that are plain renames (no note), as a nested mapping
-    in this trainer's words: what to paste instead."""
-    out: dict = {}
+
+def _yes(value: object) -> bool:
+    return value is True or str(value).lower() in ("true", "yes", "1")
+
+
+def _names(value: object) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else []
+    return [str(item).strip() for item in items if str(item).strip()]
+
+
+def _datasets(value: object) -> dict[str, object] | str:
+    entries = value if isinstance(value, list) else []
+    out = []
+    for entry in entries:
+        if not isinstance(entry, dict) or not entry.get("path"):
+            return "each dataset needs a path here; give each file's path in data.datasets"
+        ours: dict[str, object] = {"path": entry["path"]}
+        kind = entry.get("type")
+        if isinstance(kind, str):
+            if kind not in DATASET_TYPES:
+                return f"dataset type {kind!r} has no counterpart; set data.format (docs/data.md)"
+            ours["format"] = DATASET_TYPES[kind]
+        if entry.get("split"):
+            ours["split"] = entry["split"]
+        out.append(ours)
+    return {"data.datasets": out} if out else "no dataset paths to translate"
+
+
+def _eval_path(value: object) -> dict[str, object] | str:
+    if isinstance(value, str) and ("/" in value or "." in value):  # a path, not a dataset_info name
+        return {"data.eval_path": value}
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict) and value[0].get("path"):
+        return {"data.eval_path": value[0]["path"]}
+    return "give the eval file's path as data.eval_path"
+
+
+def _adapter(value: object) -> dict[str, object] | str:
+    if value == "lora":
+        return {"lora.enabled": True}
+    if value == "qlora":
+        return {"lora.enabled": True, "lora.qlora": True}
+    if value in ("full", None, ""):
+        return {"lora.enabled": False}
+    return f"{value!r} has no counterpart (lora, qlora or full)"
+
+
+def _fraction(value: object) -> dict[str, object] | str:
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1:
+        return {"data.eval_fraction": value}
+    return f"{value!r} is a count of samples; data.eval_fraction is a fraction below 1"
+
+
+def _mapped(key: str, table: dict[str, str], what: str) -> Callable[[object], dict[str, object] | str]:
+    def translate(value: object) -> dict[str, object] | str:
+        if isinstance(value, str) and value in table:
+            return {key: table[value]}
+        return f"{what} {value!r} has no counterpart here ({', '.join(sorted(set(table.values())))})"
+
+    return translate
+
+
+#: Their key -> how its value is said here: {our dotted key: value}, or why it cannot be (a string).
+#: A name not in this table and without a note is a plain rename (the same value under our key).
+TRANSLATE: dict[str, Callable[[object], dict[str, object] | str]] = {
+    "adapter": _adapter,
+    "finetuning_type": _adapter,
+    "load_in_4bit": lambda v: {"lora.qlora": True} if _yes(v) else {},
+    "quantization_bit": lambda v: {"lora.qlora": True} if v == 4 else f"{v}-bit has no counterpart (4 only)",
+    "lora_target_linear": lambda v: {"lora.target_modules": []} if _yes(v) else {},
+    "lora_target": lambda v: {"lora.target_modules": [] if v == "all" else _names(v)},
+    "lora_target_modules": lambda v: {"lora.target_modules": [] if v == "all-linear" else _names(v)},
+    "datasets": _datasets,
+    "test_datasets": _eval_path,
+    "eval_dataset": _eval_path,
+    "val_set_size": _fraction,
+    "val_size": _fraction,
+    "chat_template": lambda v: {"data.chat_template": TEMPLATES.get(str(v), "tokenizer")},
+    "template": lambda v: {"data.chat_template": TEMPLATES.get(str(v), "tokenizer")},
+    "lr_scheduler": _mapped("train.lr_schedule", SCHEDULES, "the schedule"),
+    "lr_scheduler_type": _mapped("train.lr_schedule", SCHEDULES, "the schedule"),
+    "optimizer": _mapped("train.optimizer", OPTIMIZERS, "the optimizer"),
+    "optim": _mapped("train.optimizer", OPTIMIZERS, "the optimizer"),
+    "bf16": lambda v: {"train.mixed_precision": "auto" if v == "auto" else "bf16" if _yes(v) else "no"},
+    "fp16": lambda v: {"train.mixed_precision": "bf16"} if _yes(v) else {},
+    "resume_from_checkpoint": lambda v: {"checkpoint.resume": "auto" if v is True else str(v)},
+    "deepspeed": lambda v: {"distributed.engine": "deepspeed", "distributed.deepspeed_config": str(v)},
+    "dataset": lambda v: "dataset_info.json names are not read here: give each file's path in data.datasets",
+}
+
+
+@dataclass
+class Translation:
+    block: dict
+    """The whole config in this trainer's words, nested as a file writes it."""
+    left_out: list[str]
+    """`their_key: why` for each setting of theirs that is not in the block."""
+
+
+def translate(tree: dict, unknown: list[str]) -> Translation:
+    """A config in this trainer's words from a tree with other tools' names: the keys that are ours
+    already, and each unknown key's value translated (TRANSLATE, else a plain rename); what has no
+    counterpart is left out and said."""
+    flat: dict[str, object] = {}
+    left_out: list[str] = []
+    unknown_set = set(unknown)
+
+    def known(node: object, prefix: str) -> None:
+        if not isinstance(node, dict):
+            return
+        for name, value in node.items():
+            key = f"{prefix}.{name}" if prefix else str(name)
+            if key in unknown_set:
+                continue
+            if isinstance(value, dict) and value and not key.endswith("columns"):
+                known(value, key)
+            else:
+                flat[key] = value
+
+    known(tree, "")
     for key in unknown:
         *path, name = key.split(".")
-        alias = ALIASES.get(name)
-        if alias is None or not alias.ours or alias.note or alias.ours == key:
-            continue
         value: object = tree
         for part in [*path, name]:
             value = value.get(part, _ABSENT) if isinstance(value, dict) else _ABSENT
         if value is _ABSENT:  # a --set, not the file's
             continue
-        section, _, ours = alias.ours.rpartition(".")
-        (out.setdefault(section, {}) if section else out)[ours] = value
-    return out
+        alias = ALIASES.get(name)
+        if alias is None or not alias.ours:
+            continue  # no counterpart, or no other tool's name: the error's lines say so
+        if name in TRANSLATE:
+            said = TRANSLATE[name](value)
+            if isinstance(said, str):
+                left_out.append(f"{name}: {said}")
+            else:
+                flat.update(said)
+        elif alias.ours != key:
+            flat[alias.ours] = value
+    block: dict = {}
+    for dotted, value in flat.items():
+        *sections, leaf = dotted.split(".")
+        node = block
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return Translation(block=block, left_out=left_out)
+
+
+def renames(tree: dict, unknown: list[str]) -> dict:
+    """The translated block alone (translate(...).block)."""
+    return translate(tree, unknown).block
 
 
 def format_aliases() -> str:

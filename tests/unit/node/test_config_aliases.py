@@ -4,12 +4,16 @@ which `trainer train --help-config` shows; the config named as `trainer train CO
 
 from __future__ import annotations
 
+import json
+
 import yaml
 
 from trainer import exitcodes
 from trainer.cli import main
 from trainer.node.config import config_keys, load_config
 from trainer.node.config_aliases import ALIASES
+
+from helpers.finetune_harness import hf_cache, tiny_model  # noqa: F401  isort: skip
 
 #: An axolotl LoRA config as its examples write one (examples/llama-3/lora-1b.yml, abridged).
 AXOLOTL_LORA = """\
@@ -90,11 +94,9 @@ def test_an_axolotl_config_gets_every_unknown_key_in_one_error(tmp_path, capsys)
 
 def test_the_renames_the_error_writes_out_are_a_config_that_loads(tmp_path, capsys):
     err = _error(tmp_path, AXOLOTL_LORA, capsys)
-    block = err.split("These, in this trainer's words (the rest as noted above):\n")[1]
-    block = block.split("(every key:")[0]
-    ours = yaml.safe_load("\n".join(line[2:] for line in block.splitlines()))
+    ours = _block(err)
     assert ours["model"] == {"name_or_path": "NousResearch/Llama-3.2-1B", "max_length": 2048}
-    assert ours["lora"] == {"r": 16, "alpha": 32, "dropout": 0.05}
+    assert ours["lora"] == {"enabled": True, "r": 16, "alpha": 32, "dropout": 0.05, "target_modules": []}
     assert ours["train"]["num_epochs"] == 1 and ours["train"]["learning_rate"] == 0.0002
     pasted = tmp_path / "ours.yaml"
     pasted.write_text(yaml.safe_dump(ours))
@@ -162,3 +164,74 @@ def test_launch_takes_the_config_file_as_a_positional_argument_too(tmp_path, cap
     args = ["launch", "-i", "inventory/local", str(path), "--config", str(other)]
     assert main(args) == exitcodes.CONFIG_ERROR  # refused before the inventory is even read
     assert f"two config files given ({path} and --config {other}); give one" in capsys.readouterr().err
+
+
+def _block(err: str) -> dict:
+    """The translated block of an unknown-keys error, as a user pastes it."""
+    block = err.split("In this trainer's words (paste it as your config")[1].split("\n", 1)[1]
+    block = block.split("(every key:")[0]
+    return yaml.safe_load("\n".join(line[2:] for line in block.splitlines()))
+
+
+def _alpaca(tmp_path) -> str:
+    """200 alpaca records: enough to fill a batch of packed rows."""
+    path = tmp_path / "alpaca.jsonl"
+    path.write_text(
+        "".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i}."}) + "\n" for i in range(200))
+    )
+    return str(path)
+
+
+def _pasted_dry_run(tmp_path, ours: dict, tiny_model, data: str, capsys) -> str:  # noqa: F811
+    """The block pasted into a file as it stands; only the model and the data are this machine's."""
+    pasted = tmp_path / "ours.yaml"
+    pasted.write_text(yaml.safe_dump(ours))
+    sets = [f"model.name_or_path={tiny_model}", "model.max_length=256"]
+    sets += (
+        [f"data.datasets=[{{path: {data}}}]"] if "datasets" in ours.get("data", {}) else [f"data.path={data}"]
+    )
+    code = main(["train", str(pasted), "--dry-run", *(arg for s in sets for arg in ("--set", s))])
+    captured = capsys.readouterr()
+    assert code == exitcodes.OK, captured.err
+    return captured.out + captured.err
+
+
+def test_a_llama_factory_lora_config_translates_to_a_lora_block_that_dry_runs(tiny_model, tmp_path, capsys):  # noqa: F811
+    err = _error(tmp_path, LLAMA_FACTORY_LORA.replace("template: llama3", "template: qwen"), capsys)
+    ours = _block(err)
+    assert ours["lora"] == {"enabled": True, "r": 8, "target_modules": []}
+    assert ours["train"]["lr_schedule"] == "cosine" and ours["train"]["mixed_precision"] == "bf16"
+    assert ours["data"]["chat_template"] == "tokenizer"  # qwen's template is the model's own
+    assert ours["data"]["eval_fraction"] == 0.1
+    assert ours["output_dir"] == "saves/llama3-8b/lora/sft"  # the keys that are ours already come along
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text(
+        "".join(f'{{"instruction": "Say {i}.", "input": "", "output": "{i}."}}\n' for i in range(20))
+    )
+    out = _pasted_dry_run(tmp_path, ours, tiny_model, str(data), capsys)
+    assert "enabled: true" in out.split("lora:")[1].split("\n", 2)[1]
+
+
+def test_an_axolotl_config_translates_every_value_it_can(tiny_model, tmp_path, capsys):  # noqa: F811
+    err = _error(
+        tmp_path, AXOLOTL_LORA.replace("optimizer: adamw_8bit", "optimizer: adamw_torch_fused"), capsys
+    )
+    ours = _block(err)
+    assert ours["lora"] == {"enabled": True, "r": 16, "alpha": 32, "dropout": 0.05, "target_modules": []}
+    assert ours["data"]["datasets"] == [{"path": "teknium/GPT4-LLM-Cleaned", "format": "alpaca"}]
+    assert ours["train"]["optimizer"] == "adamw_fused" and ours["train"]["lr_schedule"] == "cosine"
+    assert ours["train"]["mixed_precision"] == "auto"
+    assert "`load_in_8bit` is axolotl's name: it has no counterpart here" in err
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text(
+        "".join(f'{{"instruction": "Say {i}.", "input": "", "output": "{i}."}}\n' for i in range(200))
+    )
+    _pasted_dry_run(tmp_path, ours, tiny_model, str(data), capsys)
+
+
+def test_lora_settings_with_lora_off_are_named(tmp_path, capsys):
+    path = tmp_path / "full.yaml"
+    path.write_text("lora:\n  r: 16\n")
+    assert main(["train", str(path), "--dry-run"]) == exitcodes.OK
+    err = capsys.readouterr().err
+    assert "lora.r is set (16) but lora.enabled is false: this run trains every weight" in err, err

@@ -65,6 +65,7 @@ class FineTune:
         transformers_logging.disable_progress_bar()
         source = check_source(config.model.name_or_path)
         model_config = load_model_config(config.model, source)
+        config.model.check_positions(model_config)  # before any data is read: rows past them train wrong
         tokenizer = load_tokenizer(config.model, source)
         notes = []
         target_modules = _check_lora(config, model_config) if config.lora.enabled else None
