@@ -85,6 +85,21 @@ def test_s3_objects_give_the_samples_of_the_local_file(tiny_model, s3_server, bu
         s3_server.client().upload_file(str(bucket / "chats.jsonl"), BUCKET, "chats.jsonl")
 
 
+def test_s3_data_is_read_with_the_hub_offline(tiny_model, s3_server, bucket, credentials, monkeypatch):  # noqa: F811
+    """HF_HUB_OFFLINE=1 (a cluster without the hub, a local model) governs the hub, not S3."""
+    import datasets
+    import huggingface_hub
+
+    # What HF_HUB_OFFLINE=1 in a node's environment sets as the libraries load.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    endpoint = f"data.s3_endpoint_url={s3_server.endpoint}"
+    remote, _ = prepare(tiny_model, f"data.path=s3://{BUCKET}/chats.jsonl", endpoint)
+    saved, _ = prepare(tiny_model, f"data.path=s3://{BUCKET}/saved", endpoint)
+    assert (len(remote.train), len(saved.train)) == (40, 10)
+    assert datasets.config.HF_HUB_OFFLINE is True  # the hub's switch is as it was
+
+
 def test_a_missing_object_is_named(tiny_model, s3_server, bucket, credentials):  # noqa: F811
     with pytest.raises(ConfigError) as missing:
         prepare(

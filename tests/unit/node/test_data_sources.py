@@ -158,7 +158,7 @@ REFUSED = {
     "broken JSON lines": (
         "broken.jsonl",
         b'{"text": "a"}\n{"text": "b"\n',
-        "data.path: cannot read {path} as json records: ArrowInvalid: JSON parse error",
+        "data.path: {path}:2:13: a comma is missing between two values; fix or drop the line",
     ),
     "a directory of nothing readable": (
         "empty-dir",

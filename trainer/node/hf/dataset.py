@@ -96,6 +96,7 @@ def weighted_indices(count: int, weight: float, seed: int) -> np.ndarray:
 @dataclass
 class Tokenized:
     samples: Samples
+    """The training samples, weighted (a weight of 2 gives each twice)."""
     data_format: str
     records: int
     truncated: int = 0
@@ -106,12 +107,22 @@ class Tokenized:
     format_note: str | None = None
     """What data.format auto chose, and why."""
     weight: float = 1.0
+    held_out: Samples | None = None
+    """The eval samples drawn from this source (hold_out), before weighting: none of them, by content,
+    is among `samples`."""
+    duplicates: int = 0
+    """Samples that repeat another of this source exactly (the same tokens and labels)."""
+    places: list[str] | None = None
+    """Where each of the (unweighted, kept) samples came from (`data.path record 3`), for --show-sample."""
+    order: np.ndarray | None = None
+    """Which kept sample each of `samples` is (their order after the eval split and weighting)."""
 
     def summary(self, source: str, max_length: int, overlong: str) -> str:
         weighted = f" (weight {self.weight:g})" if self.weight != 1.0 else ""
+        held = f" and {len(self.held_out)} held out for eval" if self.held_out is not None else ""
         parts = [
             f"data: {source}: {self.records} {self.data_format} records{weighted} -> "
-            f"{len(self.samples)} samples"
+            f"{len(self.samples)} samples{held}"
         ]
         if self.truncated:
             lost = f", {self.dropped_untrained} of them left with no trained token and dropped"
@@ -121,6 +132,12 @@ class Tokenized:
             )
         if self.dropped_overlong:
             parts.append(f"{self.dropped_overlong} longer than model.max_length={max_length} dropped")
+        if self.duplicates:
+            parts.append(
+                f"{self.duplicates} exact duplicates (kept; one sample for the eval split)"
+                if self.held_out is not None
+                else f"{self.duplicates} exact duplicates (kept)"
+            )
         line = "; ".join(parts)
         if self.truncated or self.dropped_overlong:
             other = "drop" if overlong == "truncate" else "truncate"
@@ -154,8 +171,11 @@ def tokenize_source(
     train_on_inputs: bool = False,
     endpoint: str = "",
     seed: int = 0,
+    hold_out: float = 0.0,
 ) -> Tokenized:
-    """Read a source and tokenize every record; ConfigError naming the key (and the record) for bad input."""
+    """Read a source and tokenize every record, cut or drop what is too long, hold out `hold_out` of its
+    distinct samples for eval (chosen with seed), then weight what is left; ConfigError naming the key
+    (and the record) for bad input."""
     loaded = sources.read(source, endpoint)
     if loaded.text is not None:
         if formats.canonical(source.format) not in ("auto", "text"):
@@ -166,7 +186,8 @@ def tokenize_source(
                 ".jsonl/.json/.csv/.parquet",
             )
         pairs = _chunk_text(tokenizer, loaded.text, max_length)
-        return _fit(_weighted(pairs, source, seed), "text", 1, max_length, overlong, source.weight)
+        places = [f"{source.name} piece {i}" for i in range(len(pairs))]
+        return _finish(_fit(pairs, places, "text", 1, max_length, overlong), source, seed, hold_out)
     records = loaded.records
     if records is None or len(records) == 0:
         raise ConfigError(source.key, f"{source.name} holds no records")
@@ -182,8 +203,8 @@ def tokenize_source(
     if any(example.messages is not None for example in examples):
         template_note = apply_template(tokenizer, chat_template)
     pairs = _tokenize_examples(tokenizer, examples, places, source.key, train_on_inputs)
-    result = _fit(
-        _weighted(pairs, source, seed), data_format, len(records), max_length, overlong, source.weight
+    result = _finish(
+        _fit(pairs, places, data_format, len(records), max_length, overlong), source, seed, hold_out
     )
     result.template_note, result.format_note = template_note, format_note
     return result
@@ -196,10 +217,35 @@ def _where(source: DataSource, index: int, record: Any) -> str:
     return location
 
 
-def _weighted(pairs: list, source: DataSource, seed: int) -> list:
-    if source.weight == 1.0:
-        return pairs
-    return [pairs[i] for i in weighted_indices(len(pairs), source.weight, seed)]
+def _finish(fitted: tuple[Tokenized, list], source: DataSource, seed: int, hold_out: float) -> Tokenized:
+    """The eval share drawn from the distinct samples, then the weight applied to the rest."""
+    result, kept = fitted
+    result.weight = source.weight
+    keys = [(tuple(ids), tuple(labels)) for ids, labels in kept]
+    first: dict[tuple, int] = {}
+    for index, key in enumerate(keys):
+        first.setdefault(key, index)
+    result.duplicates = len(keys) - len(first)
+    train = list(range(len(kept)))
+    if hold_out > 0:
+        distinct = sorted(first.values())
+        count = max(1, round(hold_out * len(distinct)))
+        if count >= len(distinct):
+            raise ConfigError(
+                "data.eval_fraction",
+                f"{hold_out} of the {len(distinct)} distinct samples of {source.name} leaves none to train "
+                "on; use a smaller fraction, or a separate eval file (data.eval_path)",
+            )
+        chosen = np.random.default_rng([seed, 1]).permutation(distinct)[:count]
+        held = {keys[i] for i in chosen.tolist()}
+        train = [i for i in train if keys[i] not in held]  # every copy of a held-out sample
+        result.held_out = from_lists([kept[i] for i in sorted(chosen.tolist())])
+    order = np.asarray(train, dtype=np.int64)
+    if source.weight != 1.0:
+        order = order[weighted_indices(len(order), source.weight, seed)]
+    result.order = order
+    result.samples = from_lists([kept[i] for i in order.tolist()])
+    return result
 
 
 def _chunk_text(tokenizer: Any, text: str, max_length: int) -> list[tuple[list[int], list[int]]]:
@@ -288,11 +334,13 @@ def _chat_pairs(
 
 
 def _fit(
-    pairs: list, data_format: str, records: int, max_length: int, overlong: str, weight: float = 1.0
-) -> Tokenized:
-    result = Tokenized(samples=from_lists([]), data_format=data_format, records=records, weight=weight)
+    pairs: list, places: list[str], data_format: str, records: int, max_length: int, overlong: str
+) -> tuple[Tokenized, list]:
+    """(the counts, the samples kept): each cut to max_length or dropped (data.overlong), and those left
+    with no trained token dropped."""
+    result = Tokenized(samples=from_lists([]), data_format=data_format, records=records, places=[])
     kept = []
-    for ids, labels in pairs:
+    for (ids, labels), place in zip(pairs, places, strict=True):
         if len(ids) > max_length:
             if overlong == "drop":
                 result.dropped_overlong += 1
@@ -305,19 +353,5 @@ def _fit(
                 continue
         if len(ids) >= 2 and any(label != IGNORE for label in labels[1:]):
             kept.append((ids, labels))
-    result.samples = from_lists(kept)
-    return result
-
-
-def split_eval(samples: Samples, fraction: float, seed: int) -> tuple[Samples, Samples]:
-    """(train, eval): round(fraction × samples) samples (at least 1) chosen with seed, on every rank alike."""
-    count = max(1, round(fraction * len(samples)))
-    if count >= len(samples):
-        raise ConfigError(
-            "data.eval_fraction",
-            f"{fraction} of {len(samples)} samples leaves none to train on; use a smaller fraction",
-        )
-    order = np.random.default_rng(seed).permutation(len(samples))
-    held_out = set(order[:count].tolist())
-    train = [i for i in range(len(samples)) if i not in held_out]
-    return samples.subset(train), samples.subset(sorted(held_out))
+            result.places.append(place)
+    return result, kept

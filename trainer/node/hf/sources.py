@@ -20,8 +20,11 @@ inside the functions that read.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -205,16 +208,141 @@ def read(source: DataSource, endpoint: str = "") -> Loaded:
         return Loaded(source, text=_read_text(source, endpoint))
     import datasets
 
-    # Every rank would draw its own progress bars and cache notes into the one log.
+    # Every rank would draw its own progress bars and cache notes into the one log; a file it cannot
+    # read is said once, in our words (below), not again by its logger.
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
-        records = _load(datasets, source, location, endpoint)
+        with _hub_switch_for(source, datasets):
+            records = _load(datasets, source, location, endpoint)
     except ConfigError:
         raise
     except Exception as err:  # datasets, pyarrow, fsspec and botocore each raise their own
-        raise _read_error(source, location, err) from None
+        raise _file_problem(source, location) or _read_error(source, location, err) from None
+    if location.builder == "json" and not source.columns:
+        _refuse_wrapper(source, records)
     return Loaded(source, records=_map_columns(records, source))
+
+
+@contextlib.contextmanager
+def _hub_switch_for(source: DataSource, datasets: Any) -> Iterator[None]:
+    """HF_HUB_OFFLINE governs the model hub only: `datasets` also refuses every remote URL under it
+    (`OfflineModeIsEnabled: Tried to reach s3://...`), and clusters without a hub set it. An s3://
+    source is read with the switch off; a hub id (the only source that reaches the hub) keeps it."""
+    if not source.remote or not datasets.config.HF_HUB_OFFLINE:
+        yield
+        return
+    datasets.config.HF_HUB_OFFLINE = False
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = True
+
+
+# --- a file the library cannot read, in our words --------------------------------------------------
+
+#: json's messages, in plain words (the rest are shown as json says them).
+JSON_REASONS = {
+    "Unterminated string starting at": "a string is not closed (the line may be cut short)",
+    "Expecting ',' delimiter": "a comma is missing between two values",
+    "Expecting ':' delimiter": 'a ":" is missing after a field name',
+    "Expecting property name enclosed in double quotes": (
+        "a field name is not in double quotes (or a comma is left before a closing brace)"
+    ),
+    "Expecting value": "a value is missing or is not JSON (strings need double quotes; true, false, null)",
+    "Extra data": "more than one JSON value where one record was expected",
+    "Invalid control character at": "a raw tab or line break inside a string (write it as \\t or \\n)",
+    "Invalid \\escape": "a backslash that starts no JSON escape (write \\\\ for a backslash)",
+}
+OPENERS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+
+
+def _file_problem(source: DataSource, location: Location) -> ConfigError | None:
+    """Where `datasets` failed on a local file, the file read by us: an empty one, or for JSON and JSON
+    lines the first broken record at FILE:LINE:COL (1-based) with the reason in plain words and the fix.
+    None where ours finds nothing (the library's own message is then the best there is)."""
+    if source.remote or location.kind != "files":
+        return None
+    local = Path(source.path).expanduser()
+    files = [local] if local.is_file() else sorted(p for p in local.parent.glob(local.name) if p.is_file())
+    for file in files:
+        text = _local_text(file)
+        if text is None:
+            continue
+        if not text.strip():
+            why = "the file is empty" if not text else "only blank lines"
+            return ConfigError(source.key, f"{file} holds no records ({why})")
+        if location.builder == "json" and (problem := _json_error(file, text)):
+            return ConfigError(source.key, problem)
+    return None
+
+
+def _local_text(file: Path) -> str | None:
+    """A local data file's text (decompressed where Python's standard library can), or None."""
+    name = file.name.lower()
+    opener = next((module for suffix, module in OPENERS.items() if name.endswith(suffix)), None)
+    if opener is None and any(name.endswith(suffix) for suffix in COMPRESSIONS):
+        return None
+    try:
+        raw = importlib.import_module(opener).open(file).read() if opener else file.read_bytes()
+        return raw.decode("utf-8")
+    except (OSError, EOFError, ValueError):
+        return None
+
+
+def _json_error(file: Path, text: str) -> str | None:
+    """The first broken record of a JSON (a list) or JSON lines file, as FILE:LINE:COL: reason; fix."""
+    body = text.lstrip("\ufeff")
+    try:
+        json.loads(body)
+        return None  # one JSON document: what the library could not read is not its syntax
+    except json.JSONDecodeError as err:
+        first = next(line for line in body.splitlines() if line.strip())
+        # A list, or one object spread over lines (its first line alone is no JSON): one document.
+        if body.lstrip().startswith("[") or not _is_json(first):
+            return f"{file}:{err.lineno}:{err.colno}: {_plain(err.msg)}; fix the record"
+    for number, line in enumerate(body.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            return f"{file}:{number}:{err.colno}: {_plain(err.msg)}; fix or drop the line"
+        if not isinstance(record, dict):
+            return (
+                f"{file}:{number}:1: a line must be one record, a JSON object {{...}} (got a "
+                f"{type(record).__name__}); fix or drop the line"
+            )
+    return None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _plain(message: str) -> str:
+    return next((words for start, words in JSON_REASONS.items() if message.startswith(start)), message)
+
+
+def _refuse_wrapper(source: DataSource, records: Dataset) -> None:
+    """A .json file that is one object holding the records under a field (`{"data": [...]}`) reads as one
+    record of that field: refused with what was expected, not trained as one odd record."""
+    from trainer.node.hf.formats import looks_like
+
+    if len(records) != 1 or looks_like(records[0]) is not None:
+        return
+    for name, value in records[0].items():
+        if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            raise ConfigError(
+                source.key,
+                f"{source.path} is one JSON object whose field `{name}` holds {len(value)} records; a .json "
+                "file must be a list of records ([{...}, {...}]) or one record per line: write the list "
+                "alone",
+            )
 
 
 def _load(datasets: Any, source: DataSource, location: Location, endpoint: str) -> Dataset:

@@ -44,9 +44,14 @@ def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
     }
     notes: list[str] = []
     parts = []
+    # The eval share is drawn from each dataset's own distinct samples before its weight applies: a
+    # weighted copy of an eval sample never trains, and every dataset is evaluated in proportion.
+    hold_out = data.eval_fraction if not data.eval_path else 0.0
     for index, source in enumerate(sources.data_sources(data)):
         # Each source draws its weighted share with its own seed: adding a dataset leaves the others'.
-        tokenized = dataset.tokenize_source(tokenizer, source, seed=config.train.seed + index, **settings)
+        tokenized = dataset.tokenize_source(
+            tokenizer, source, seed=config.train.seed + index, hold_out=hold_out, **settings
+        )
         notes += [note for note in (tokenized.template_note, tokenized.format_note) if note]
         notes.append(tokenized.summary(source.name, max_length, data.overlong))
         parts.append((source, tokenized))
@@ -58,8 +63,19 @@ def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
         tokenized_eval = dataset.tokenize_source(tokenizer, evaluated, seed=config.train.seed, **settings)
         notes.append("eval " + tokenized_eval.summary(evaluated.name, max_length, data.overlong))
         held_out = tokenized_eval.samples
-    elif data.eval_fraction > 0:
-        train, held_out = dataset.split_eval(train, data.eval_fraction, config.train.seed)
+        shared = len(_contents(held_out) & _contents(train))
+        if shared:
+            notes.append(
+                f"eval: {shared} of the {len(held_out)} samples of {evaluated.name} are also training "
+                "samples (the same tokens): the eval loss flatters them"
+            )
+    elif hold_out > 0:
+        held_out = dataset.concatenate([t.held_out for _, t in parts if t.held_out is not None])
+        counts = ", ".join(f"{s.name} {len(t.held_out or ())}" for s, t in parts)
+        notes.append(
+            f"eval: {len(held_out)} samples held out by data.eval_fraction={data.eval_fraction:g}: {counts} "
+            "(drawn before weighting; none of them is trained on)"
+        )
     if len(train) == 0:
         summary = "; ".join(t.summary(s.name, max_length, data.overlong) for s, t in parts)
         raise ConfigError(parts[0][0].key, f"no sample is left to train on ({summary})")
@@ -86,6 +102,7 @@ def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
         "truncated": sum(tokenized.truncated for _, tokenized in parts),
         "dropped": sum(t.dropped_overlong + t.dropped_untrained for _, t in parts),
         "eval_samples": len(held_out) if held_out is not None else 0,
+        "duplicates": sum(tokenized.duplicates for _, tokenized in parts),
         "packing": data.packing,
         "max_length": max_length,
         "train_on_inputs": data.train_on_inputs,
@@ -109,6 +126,10 @@ def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
         notes=notes,
         facts=facts,
     )
+
+
+def _contents(samples: dataset.Samples) -> set[bytes]:
+    return {samples.sample(i)[0].tobytes() for i in range(len(samples))}
 
 
 def _mix_line(parts: list[tuple[sources.DataSource, dataset.Tokenized]]) -> str:
