@@ -20,9 +20,13 @@ A job is named by CLUSTERTRAIN_LAUNCH_ID (`trainer launch`, the same across its 
 CLUSTER_JOB_ID (`trainer sbatch`'s job.env); a process without either is a job of its own.
 
 A stale lock (its job killed with -9, its node lost) is taken over, said once. Stale means: on this
-host, the holding process (pid and start time) is gone; on another host, which cannot be asked, its
-heartbeat stopped: a holder touches the lock every HEARTBEAT_S, and one untouched for STALE_AFTER_S
-is dead. The age is read on the file system's own clock (the mtime of a file written just now beside
+machine, the holding process (pid and start time) is gone; on another machine, which cannot be asked,
+its heartbeat stopped: a holder touches the lock every HEARTBEAT_S, and one untouched for STALE_AFTER_S
+is dead. A machine is its host name together with its kernel's boot id and its pid namespace
+(`machine_id`): cloned images and containers share host names, and a pid is only asked where both
+agree. A holder whose heartbeat finds another job's token in the lock (it changed hands under it: a
+three-way takeover race, or a lock deleted by hand) stops its own job: two jobs never go on writing
+one output dir. The age is read on the file system's own clock (the mtime of a file written just now beside
 it), so the nodes' clocks need not agree. Standard library only: batch scripts run it with the venv's
 python before anything else.
 """
@@ -34,6 +38,7 @@ import contextlib
 import getpass
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -49,6 +54,8 @@ HEARTBEAT_S = 15
 #: A lock on another host untouched this long belongs to a dead job (several missed heartbeats: a
 #: busy NFS server delays a touch, it does not skip eight).
 STALE_AFTER_S = 120
+#: How long a holder that lost its lock waits for its TERM to end it before it exits.
+LOST_GRACE_S = 10
 #: The variables that name the job a process belongs to, first found wins.
 JOB_VARIABLES = ("CLUSTERTRAIN_LAUNCH_ID", "CLUSTER_JOB_ID")
 
@@ -60,6 +67,19 @@ class Locked(Exception):
 def job_from_env(env: dict[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     return next((env[name] for name in JOB_VARIABLES if env.get(name)), "")
+
+
+def machine_id() -> str:
+    """This kernel's boot id and this process's pid namespace: where a lock's holder has the same (and
+    the same host name), its pid can be asked here."""
+    parts = []
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                 lambda: os.readlink("/proc/self/ns/pid")):  # fmt: skip
+        try:
+            parts.append(read())
+        except OSError:
+            parts.append("?")
+    return "/".join(parts)
 
 
 def process_start(pid: int) -> str | None:
@@ -85,7 +105,10 @@ def process_alive(pid: Any, started: Any = None) -> bool:
 def describe(holder: dict[str, Any] | None) -> str:
     if not holder:
         return "an unreadable lock (no holder named in it)"
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("taken_at") or 0)))
+    try:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("taken_at") or 0)))
+    except (TypeError, ValueError, OverflowError, OSError):
+        since = "?"
     job = f" (job {holder['job']})" if holder.get("job") else ""
     return (
         f"{holder.get('command', 'a job')}{job}, pid {holder.get('pid')} on {holder.get('host')} "
@@ -101,9 +124,9 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def why_stale(holder: dict[str, Any], age_s: float) -> str:
-    """Why `holder` is dead ('' while it may still run): its process is gone (this host), or its
-    heartbeat stopped `age_s` seconds ago (another host)."""
-    if holder.get("host") == socket.gethostname():
+    """Why `holder` is dead ('' while it may still run): its process is gone (this machine), or its
+    heartbeat stopped `age_s` seconds ago (another machine, or one that does not say which)."""
+    if holder.get("host") == socket.gethostname() and holder.get("machine") == machine_id():
         if process_alive(holder.get("pid"), holder.get("pid_start")):
             return ""
         return f"no longer runs (pid {holder.get('pid')} is gone)"
@@ -135,6 +158,7 @@ class JobLock:
             "job": self.job,
             "command": self.command,
             "host": socket.gethostname(),
+            "machine": machine_id(),
             "pid": self.pid,
             "pid_start": process_start(self.pid),
             "user": getpass.getuser(),
@@ -219,22 +243,47 @@ class JobLock:
             f"(another --run-name); {gone}"
         )
 
-    def refresh(self) -> None:
-        """The heartbeat: touch the lock while it is ours (a lock taken over is someone else's)."""
+    def refresh(self) -> dict[str, Any] | None:
+        """The heartbeat: touch the lock while it is ours. Another job's holder when the lock changed
+        hands (never touched: it is theirs); None otherwise (ours, gone, or unreadable for now)."""
+        current = _read(self.path)
+        if current is None:
+            return None
+        if current.get("token") != self.token:
+            return current
         with contextlib.suppress(OSError):
-            if (_read(self.path) or {}).get("token") == self.token:
-                os.utime(self.path)
+            os.utime(self.path)
+        return None
 
     def start_heartbeat(self) -> None:
-        """Refresh the lock every HEARTBEAT_S from a daemon thread, until release()."""
+        """Refresh the lock every HEARTBEAT_S from a daemon thread, until release(); stop this job
+        (lost) if the lock changed hands."""
         if self.state != "held":
             return
 
         def beat() -> None:
             while not self._stop.wait(HEARTBEAT_S):
-                self.refresh()
+                if (taker := self.refresh()) is not None and not self._stop.is_set():
+                    self.lost(taker)
+                    return
 
         threading.Thread(target=beat, name="job-lock-heartbeat", daemon=True).start()
+
+    def lost(self, taker: dict[str, Any]) -> None:
+        """The lock is another job's now: say so and end this job (TERM to the holding process, then,
+        if it is still there after LOST_GRACE_S, exit), before it writes the other job's output dir."""
+        self.state = ""
+        print(
+            f"trainer: {self.path} was taken over by {describe(taker)} while this job held it: stopping "
+            "this job, so that two jobs never write one output dir (start it again once the other ends, "
+            "or give it another output_dir)",
+            file=sys.stderr,
+            flush=True,
+        )
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGTERM)
+        if self.pid == os.getpid() and not self._stop.wait(LOST_GRACE_S):
+            os._exit(2)  # the TERM was handled and the job goes on: not this one
 
     def release(self) -> None:
         """Remove the lock if it is still ours; a joined lock is left to the job that holds it."""

@@ -13,6 +13,8 @@ import socket
 
 from helpers.fake_launch import fake_launch, one_node_cluster, trainer
 
+from trainer.joblock import machine_id
+
 #: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
 #: here slow unless the module says this).
 ALL_SLOW = False
@@ -23,6 +25,7 @@ HOLDER = {
     "pid": 2**22 + 7,  # no such process: a dead holder on this controller, so stop names it
     "pid_start": 1,
     "controller": socket.gethostname(),
+    "machine": machine_id(),
     "user": f"[/red]{LINK}",
     "command": "[link=https://evil.example/]trainer launch[/link]",
     "taken_at": "soon",

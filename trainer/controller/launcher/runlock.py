@@ -33,7 +33,7 @@ from typing import Any
 
 from trainer.controller.launcher.live import printable
 from trainer.controller.runner import run_playbook
-from trainer.joblock import process_alive, process_start
+from trainer.joblock import machine_id, process_alive, process_start
 
 PLAYBOOK = PurePosixPath(__file__).parent / "playbooks" / "lock.yml"
 #: start.yml's tasks on the head (the launcher follows them by name; where the head's probe takes
@@ -49,8 +49,14 @@ class LockError(Exception):
 
 
 def holder_state(holder: dict[str, Any] | None) -> str:
-    """'alive' or 'dead' for a holder on this controller; 'unknown' for one elsewhere (or unreadable)."""
-    if not holder or holder.get("controller") != socket.gethostname():
+    """'alive' or 'dead' for a holder on this controller; 'unknown' for one elsewhere (or unreadable).
+    This controller: the same host name, boot id and pid namespace (trainer.joblock.machine_id), so a
+    clone or container with this host name is not asked about by its pid here."""
+    if (
+        not isinstance(holder, dict)
+        or holder.get("controller") != socket.gethostname()
+        or holder.get("machine") != machine_id()
+    ):
         return "unknown"
     # The pid with its start time, as the trainer's job lock judges its holders (trainer.joblock).
     return "alive" if process_alive(holder.get("pid"), holder.get("pid_start")) else "dead"
@@ -93,6 +99,7 @@ class RunLock:
         return {
             "run_name": self.run_name,
             "controller": socket.gethostname(),
+            "machine": machine_id(),
             "pid": os.getpid(),
             "pid_start": process_start(os.getpid()),
             "user": getpass.getuser(),
