@@ -1,10 +1,12 @@
-"""The node helper runs only what the controller sent, or a compiled copy the account running it wrote.
+"""The node helper runs only what the controller sent: no compiled copy in the node dir is ever run.
 
-The launch's node dir belongs to the training account; status, stop and pids keep the compiled helper
-there (`.node_ctl-<digest>.<python version>...`) so a poll skips compiling it. Another account that
-can write the node dir plants a cache of its own, one whose `serve` answers with a made-up report;
-then the real `trainer status` and `trainer stop` run (as root, on a one-node loopback cluster). The
-planted code must not run: status reports the trainer running, and the stop really ends it."""
+The launch's node dir belongs to the training account, and status, stop and pids run as that account;
+they kept the compiled helper there (`.node_ctl-<digest>.<python version>.<uid>`), checked only for
+being that account's own file, so the training account (a job) could plant one that the next poll ran.
+Here the training account (this account, on a one-node loopback cluster) and another account (nobody)
+each plant a cache whose `serve` answers with a made-up report, under every name the node's bootstrap
+has looked for; then the real `trainer status` and `trainer stop` run. The planted code must not run:
+status reports the trainer running, the stop really ends it, and no cache is written."""
 
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plants the cache as a
 
 
 def plant_cache(node_dir) -> list[str]:
-    """As another account (NOBODY), what it can write into the node dir: the fake helper compiled,
-    under every name the node's bootstrap has looked for (raw, and with its header line)."""
+    """What a job can put into its node dir: the fake helper compiled, under every name the node's
+    bootstrap has looked for (raw, and with its header line). The one named for the helper's own uid
+    is written by that account (the training account: status, stop and pids run as it), private, as
+    the bootstrap wrote its own; the others by another account (NOBODY)."""
     digest = hashlib.sha256(NODE_PROGRAM.read_text().encode()).hexdigest()[:16]
     code = marshal.dumps(compile(FAKE_HELPER, "node_ctl.py", "exec"))
     old_name = f".node_ctl-{digest}.{sys.hexversion:x}"
@@ -49,6 +53,10 @@ def plant_cache(node_dir) -> list[str]:
     for uid in (os.geteuid(), NOBODY):
         name = f"{old_name}.{uid}"
         names[name] = f"{name}\n".encode() + code
+    own = f"{old_name}.{os.geteuid()}"
+    fd = os.open(node_dir / own, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, names[own])
+    os.close(fd)
     os.chown(node_dir, NOBODY, NOBODY)  # the training account's dir
     # Opened here: pytest's tmp dirs above it are root's own (0700), which NOBODY cannot pass through.
     dir_fd = os.open(node_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -58,9 +66,10 @@ def plant_cache(node_dir) -> list[str]:
             os.setgid(NOBODY)
             os.setuid(NOBODY)
             for name, data in names.items():
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
-                os.write(fd, data)
-                os.close(fd)
+                if name != own:
+                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
+                    os.write(fd, data)
+                    os.close(fd)
             os._exit(0)
         except BaseException:
             os._exit(1)
@@ -73,7 +82,7 @@ def test_a_cache_planted_in_the_node_dir_neither_fakes_the_status_nor_stops_the_
     inventory, shared = one_node_cluster(tmp_path)
     launch = fake_launch(shared, "planted", "step 1\n")
     try:
-        plant_cache(launch.node_dir)
+        planted = plant_cache(launch.node_dir)
         status = trainer("status", inventory, "--run-name", "planted")
         assert status.returncode == 0, status.stdout + status.stderr
         assert "[node0] node 0: running" in status.stdout, status.stdout
@@ -87,6 +96,5 @@ def test_a_cache_planted_in_the_node_dir_neither_fakes_the_status_nor_stops_the_
         if launch.process.poll() is None:
             launch.process.kill()
             launch.process.wait()
-    # The helper keeps its own cache (so a poll still skips compiling it): this account's, private.
-    own = [p for p in launch.node_dir.glob(".node_ctl-*") if p.stat().st_uid == os.geteuid()]
-    assert own and all(p.stat().st_mode & 0o077 == 0 for p in own), sorted(p.name for p in own)
+    # No cache of the helper's own either: only what was planted is there.
+    assert sorted(p.name for p in launch.node_dir.glob(".node_ctl-*")) == planted

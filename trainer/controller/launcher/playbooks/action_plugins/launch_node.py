@@ -39,7 +39,6 @@ training user, in the same task.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shlex
@@ -53,56 +52,26 @@ from ansible.errors import AnsibleConnectionFailure, AnsibleError
 from ansible.plugins.action import ActionBase
 
 NODE_PROGRAM = (Path(__file__).resolve().parent.parent / "files" / "node_ctl.py").read_text()
-#: Names the compiled helper a node keeps in its node dir (a poll then skips compiling it).
-NODE_PROGRAM_DIGEST = hashlib.sha256(NODE_PROGRAM.encode()).hexdigest()[:16]
 #: Reads the request (with the helper's text) from stdin and hands it to node_ctl.serve. The helper
 #: needs only the standard library: `-S` skips site-packages (their .pth files cost more than the
 #: rest of a status poll). `-I` keeps the working directory off the import path: it may be the login's
 #: home (where Ansible logs in as the training account and becomes root), and a json.py planted there
 #: would run as root.
-#: With `code_cache`, the compiled helper is kept in the node dir, per Python version and account
-#: (compiling it takes 14 ms, loading the cache 0.4 ms: a whole status poll 41 ms instead of 52 ms,
-#: medians on a loaded 2-core machine). The node dir is the training account's: a cache is run only
-#: when this account wrote it (a regular file, no link, owned by the effective uid, writable by no
-#: one else) and it names the helper's digest and this account (a renamed older one does not); anything
-#: else is ignored and the sent text compiled, so a planted cache cannot fake a report or a stop. It
-#: is written through a new file (O_EXCL: a planted link is not followed) renamed into place.
+#: The text sent is compiled on every call, and nothing compiled is kept on the node: status, stop and
+#: pids run as the training account in its own node dir, so a kept copy was the job's to replace (a
+#: planted one answered "running, all fine" and stopped nothing). Compiling costs 14 ms of a 52 ms poll
+#: (medians on a loaded 2-core machine).
 #: The request comes on stdin where the connection passes it (ssh, local); podman exec does not: there
 #: it is an argument, or, when it holds secrets (the start's), a private file in Ansible's remote tmp
 #: dir (`@PATH`), made readable to the training user the way Ansible does it for modules.
-BOOTSTRAP = """import json, marshal, os, stat, sys
+BOOTSTRAP = """import json, sys
 given = sys.argv[1] if len(sys.argv) > 1 else ''
 if given.startswith('@'):
     with open(given[1:]) as handle:
         given = handle.read()
 request = json.loads(given or sys.stdin.read())
-code = None
-cache = request.get('code_cache') and '%s.%x.%d' % (request['code_cache'], sys.hexversion, os.geteuid())
-header = cache and (os.path.basename(cache) + '\\n').encode()
-if cache:
-    try:
-        fd = os.open(cache, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, 'rb') as handle:
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022:
-                data = handle.read()
-                if data.startswith(header):
-                    code = marshal.loads(data[len(header):])
-    except Exception:
-        code = None
-if code is None:
-    code = compile(request['program'], 'node_ctl.py', 'exec')
-    if cache:
-        try:
-            part = '%s.%d' % (cache, os.getpid())
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, 'wb') as handle:
-                handle.write(header + marshal.dumps(code))
-            os.replace(part, cache)
-        except OSError:
-            pass
 scope = {'__name__': 'node_ctl'}
-exec(code, scope)
+exec(compile(request['program'], 'node_ctl.py', 'exec'), scope)
 sys.exit(scope['serve'](request))
 """
 #: A request longer than this goes in a file even without secrets (one argument may hold 128 KiB).
@@ -349,8 +318,6 @@ class ActionModule(ActionBase):
 
     def _call(self, python: str, request: dict, timeout_s: float, secret: bool = False) -> dict:
         """Run node_ctl.serve(request) on the node; its JSON answer (a `failed` answer raises)."""
-        if request.get("op") in ("status", "stop", "pids") and request.get("node_dir"):
-            request = {**request, "code_cache": f"{request['node_dir']}/.node_ctl-{NODE_PROGRAM_DIGEST}"}
         payload = json.dumps({**request, "program": NODE_PROGRAM})
         cmd = node_command(python, timeout_s)
         if self._connection.has_pipelining:
