@@ -18,6 +18,7 @@ import textwrap
 from types import ModuleType
 
 from trainer import __version__, exitcodes, logsetup
+from trainer.redaction import secret_set_problem
 
 #: verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -122,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     if getattr(module, "TAKES_COMMAND", False):
         args.command = command
+    for item in getattr(args, "overrides", None) or []:
+        if problem := secret_set_problem(item):  # in `ps` for the whole run, wherever it runs
+            print(f"trainer {verb}: {problem}", file=sys.stderr)
+            return exitcodes.CONFIG_ERROR
     try:
         logsetup.configure(args.log_level)
     except logsetup.LogLevelError as err:

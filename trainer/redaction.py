@@ -139,3 +139,39 @@ def secret_env(name: str, value: str) -> bool:
 def redact_env(env: Mapping[str, str], secret_names: Collection[str]) -> dict[str, str]:
     """`env` as it may be shown or logged: the values of `secret_names` are replaced."""
     return {name: REDACTED if name in secret_names else value for name, value in env.items()}
+
+
+#: Where a secret config value goes instead of the command line, by key (else SECRET_ELSEWHERE).
+SECRET_SET_FIX = {
+    "health.webhook_url": (
+        "set the inventory's training_health_webhook_url (vaulted), or health.webhook_url in the "
+        "--config file, or --set health.webhook_url_env=NAME with --env NAME (NAME exported in this "
+        "shell), or --set health.webhook_url_file=PATH (a 0600 file on the nodes)"
+    ),
+    "metrics.tracking_uri": (
+        "give the URI without the credential and the token through MLFLOW_TRACKING_TOKEN (or "
+        "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD): export it in this shell and add --env "
+        "MLFLOW_TRACKING_TOKEN, or set it in the inventory's training_env (vaulted); or put the URI in "
+        "the --config file"
+    ),
+}
+SECRET_ELSEWHERE = (
+    "put the value in the --config file or the inventory (vaulted), or pass the credential as an "
+    "environment variable with --env NAME (NAME exported in this shell)"
+)
+
+
+def secret_set_problem(item: str) -> str | None:
+    """Why a `--set KEY=VALUE` cannot be given (None if it can): a secret on the command line shows
+    in `ps` to every account on the machine for the whole run (the controller's launch, a node's
+    `trainer train`), and in the shell's history. The value itself is never repeated. Every verb's
+    --set is checked with it (trainer.cli) before the verb runs."""
+    key, _, value = item.partition("=")
+    key, value = key.strip(), value.strip()
+    if not secret_setting(key, value):
+        return None
+    what = "a secret" if key in SECRET_KEYS else "a URL with a credential in it"
+    return (
+        f"--set {key}=...: {what} on the command line shows in `ps` and your shell history; "
+        f"fix: {SECRET_SET_FIX.get(key, SECRET_ELSEWHERE)}"
+    )

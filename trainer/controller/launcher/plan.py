@@ -35,7 +35,7 @@ from trainer.controller.training_env import (
     workdir_problem,
 )
 from trainer.engine_names import ENGINES
-from trainer.redaction import REDACTED, SECRET_KEYS, redact_env, redact_override, secret_setting
+from trainer.redaction import REDACTED, redact_env, redact_override, secret_set_problem
 
 DEFAULT_RUN_NAME = "default"
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -302,7 +302,7 @@ def make_plan(
     for item in overrides:
         if "=" not in item:
             raise PlanError(f"--set {item!r}: expected section.key=value, e.g. train.max_steps=100")
-        if problem := _secret_set_problem(item):
+        if problem := secret_set_problem(item):
             raise PlanError(problem)
         if item.split("=", 1)[0].strip() == "output_dir":
             raise PlanError(
@@ -368,41 +368,6 @@ def make_plan(
         user_command=tuple(command),
         workdirs=workdirs,
         extra_env=extra_env,
-    )
-
-
-#: Where a secret config value goes instead of the command line, by key (else SECRET_ELSEWHERE).
-SECRET_SET_FIX = {
-    "health.webhook_url": (
-        "set the inventory's training_health_webhook_url (vaulted), or health.webhook_url in the "
-        "--config file, or --set health.webhook_url_env=NAME with --env NAME (NAME exported in this "
-        "shell), or --set health.webhook_url_file=PATH (a 0600 file on the nodes)"
-    ),
-    "metrics.tracking_uri": (
-        "give the URI without the credential and the token through MLFLOW_TRACKING_TOKEN (or "
-        "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD): export it in this shell and add --env "
-        "MLFLOW_TRACKING_TOKEN, or set it in the inventory's training_env (vaulted); or put the URI in "
-        "the --config file"
-    ),
-}
-SECRET_ELSEWHERE = (
-    "put the value in the --config file or the inventory (vaulted), or pass the credential as an "
-    "environment variable with --env NAME (NAME exported in this shell)"
-)
-
-
-def _secret_set_problem(item: str) -> str | None:
-    """Why a `--set KEY=VALUE` cannot be given (None if it can): a secret on the command line shows
-    in `ps` to every account on the controller for the whole launch, and in the shell's history.
-    The value itself is never repeated."""
-    key, _, value = item.partition("=")
-    key, value = key.strip(), value.strip()
-    if not secret_setting(key, value):
-        return None
-    what = "a secret" if key in SECRET_KEYS else "a URL with a credential in it"
-    return (
-        f"--set {key}=...: {what} on the command line shows in `ps` and your shell history; "
-        f"fix: {SECRET_SET_FIX.get(key, SECRET_ELSEWHERE)}"
     )
 
 
