@@ -675,6 +675,31 @@ VARIABLES: tuple[str, ...] = tuple(
 )
 
 
+def _check_login_is_not_the_training_user(hosts: Mapping[str, Mapping], out: Problems) -> None:
+    """Provisioning logs in as ansible_user and becomes root. Ansible first copies what root runs into
+    the login's `~/.ansible/tmp`: when the login is the training account, any job of that account can
+    replace those scripts before root runs them, so every job would be root on that host. (Training
+    as root itself, on one host, gains nothing by it.)"""
+    for name, hv in hosts.items():
+        user = hv.get("ansible_user")
+        if user == "root":
+            continue
+        become = str(hv.get("ansible_become", "")).strip().lower() in ("true", "yes", "on", "1")
+        if (
+            user
+            and user == hv.get("cluster_training_user")
+            and become
+            and hv.get("ansible_become_user") in (None, "", "root")
+        ):
+            out.add(
+                name,
+                f"ansible_user {user} is cluster_training_user and becomes root (ansible_become): any job "
+                f"of {user} could replace the scripts Ansible copies into its ~/.ansible/tmp for root to "
+                f"run, and be root; fix: log in as an administration account with sudo (ansible_user: admin) "
+                f"and keep {user} for training only",
+            )
+
+
 def cluster_problems(hostvars: Mapping, groups: Mapping, purpose: str = PROVISION) -> list[str]:
     """Return the inventory's problems (empty when it describes a usable cluster).
 
@@ -705,6 +730,8 @@ def cluster_problems(hostvars: Mapping, groups: Mapping, purpose: str = PROVISIO
     _check_accelerators(hosts, head, provision, out)
     _check_node_ranks(hosts, head, out)
     _check_training_env(hosts, out)
+    if provision:
+        _check_login_is_not_the_training_user(hosts, out)
     if provision and multi_host:
         # Across hosts the users role creates the account (and trains as it over SSH): never root.
         new_account = "use a lowercase name such as trainer (letters, digits, '_' or '-', at most 32)"
