@@ -92,20 +92,23 @@ def run_tasks(home: Path, variables: dict, tasks: list[dict]) -> subprocess.Comp
     )
 
 
-def test_trainer_envs_site_packages_probe_does_not_import_from_its_working_directory(tmp_path):
-    home, marker = planted_home(tmp_path, "sysconfig")
-    found = tmp_path / "site-packages.txt"
-    keep = {"ansible.builtin.copy": {"content": "{{ trainer_env_site_packages.stdout }}", "dest": str(found)}}
-    done = run_tasks(
-        home,
-        {"trainer_env_venv": str(REPO / ".venv"), "trainer_env_venv_pending": False},
-        [role_task("deepspeed_ops.yml", "Find the venv's site-packages"), keep],
+def test_trainer_envs_state_probe_does_not_import_from_its_working_directory(tmp_path):
+    """node_env.py runs as root from the login's home (where Ansible logs in as another account)."""
+    home, marker = planted_home(tmp_path, "platform")
+    found = tmp_path / "state.json"
+    task = role_task("environment.yml", "Read this node's OS, CPU, Python")
+    task["ansible.builtin.script"]["cmd"] = task["ansible.builtin.script"]["cmd"].replace(
+        "node_env.py", str(REPO / "roles" / "trainer_env" / "files" / "node_env.py")
     )
+    keep = {"ansible.builtin.copy": {"content": "{{ trainer_env_state_run.stdout }}", "dest": str(found)}}
+    args = f"--venv {REPO / '.venv'} --ops {tmp_path / 'ops'} --envs {tmp_path / 'envs'}"
+    done = run_tasks(home, {"trainer_env_python": "python3", "trainer_env_node_env_args": args}, [task, keep])
     assert not marker.exists(), f"the planted module ran: {marker.read_text()}"
     assert done.returncode == 0, done.stdout[-3000:]
-    # What the role writes its .pth file into: the venv's own site-packages.
-    assert Path(found.read_text()).parent.parent.parent == REPO / ".venv", found.read_text()
-    assert found.read_text().endswith("site-packages")
+    # Where the role writes its .pth file: the venv's own site-packages.
+    state = json.loads(found.read_text())
+    assert Path(state["site_packages"]).parent.parent.parent == REPO / ".venv", state
+    assert state["site_packages"].endswith("site-packages") and state["installed"] is None
 
 
 def test_trainer_envs_venv_creation_does_not_import_from_its_working_directory(tmp_path):

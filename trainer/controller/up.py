@@ -247,15 +247,21 @@ def preflight_arguments(args: argparse.Namespace) -> argparse.Namespace:
 
 def provision(site: Path, args: argparse.Namespace) -> tuple[int, str]:
     """site.yml through the runner, each play named as it starts; the first failure named at the end."""
+    from trainer.controller.provision_times import ProvisionClock
     from trainer.controller.runner import run_playbook
 
     extravars = {} if args.full is None else {"converged_full_run": bool(args.full)}
+    clock = ProvisionClock()
 
     def on_event(event: dict[str, Any]) -> None:
+        clock.on_event(event)
         if event.get("event") == "playbook_on_play_start":
             print(f"  ... {event.get('event_data', {}).get('play', '')}", flush=True)
 
     result = run_playbook(site, args.inventory, extravars=extravars, on_event=on_event)
+    print("  where the provision's time went:", flush=True)
+    for line in clock.lines():
+        print(f"  {line}", flush=True)
     changed = sum(int(n) for n in result.stats.get("changed", {}).values())
     said = next(
         (
