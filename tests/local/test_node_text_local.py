@@ -2,9 +2,10 @@
 
 On a one-node loopback cluster the job leaves a lock whose holder fields carry rich markup (a stray
 `[/red]`, a `[link=...]`), an OSC 8 hyperlink and a time that is not one, and a run dir whose name
-carries markup and an escape sequence. `trainer stop` and `trainer logs` run for real: neither fails
-on that text (a stray `[/red]` raised rich's MarkupError, a `"taken_at": "soon"` ValueError), no
-escape sequence reaches the output, and the markup shows as typed."""
+carries markup and an escape sequence, and launch.json's nodes are not host -> rank. `trainer stop`
+and `trainer logs` run for real: neither fails on that text (a stray `[/red]` raised rich's
+MarkupError, a `"taken_at": "soon"` ValueError, a rank that is not a number another), the stop stops
+the node, no escape sequence reaches the output, and the markup shows as typed."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def test_lock_fields_and_run_dir_names_from_the_head_are_shown_as_text(tmp_path)
     launch = fake_launch(shared, "hostile", "step 1\n")
     try:
         (launch.node_dir.parent / "lock").write_text(json.dumps(HOLDER))
+        info = json.loads((launch.node_dir / "launch.json").read_text())
+        (launch.node_dir / "launch.json").write_text(json.dumps({**info, "nodes": {"node0": "zero"}}))
         (shared / "runs" / RUN_DIR_NAME / "launch").mkdir(parents=True)
         stop = trainer("stop", inventory, "--run-name", "hostile", "--stop-grace", "5")
         assert launch.process.wait(timeout=30) == -15, stop.stdout + stop.stderr
@@ -48,6 +51,7 @@ def test_lock_fields_and_run_dir_names_from_the_head_are_shown_as_text(tmp_path)
             launch.process.wait()
     assert stop.returncode == 0, stop.stdout + stop.stderr
     shown = stop.stdout + stop.stderr
+    assert "launch.json on the head names no nodes" in shown and "[node0] node 0: stopped" in shown, shown
     assert "stays locked by [link=https://evil.example/]trainer launch[/link] pid" in shown, shown
     assert "(user [/red]\\x1b]8;;https://evil.example/\\x1b\\click" in shown, shown
     assert logs.returncode == 2, logs.stdout + logs.stderr

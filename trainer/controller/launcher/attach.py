@@ -40,11 +40,11 @@ from trainer.controller.launcher.launch import (
     install_signal_handlers,
     watch_options,
 )
-from trainer.controller.launcher.live import LiveView
+from trainer.controller.launcher.live import LiveView, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, PlanError, make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.runlock import LockError, describe_holder, holder_state
-from trainer.controller.launcher.status import launch_info, launcher_alive
+from trainer.controller.launcher.status import MALFORMED, launch_info, launched_nodes, launcher_alive
 from trainer.controller.launcher.topology import TopologyError
 
 EXAMPLES = ("trainer attach -i inventory/mycluster --run-name qwen-lora  # after its launcher died",)
@@ -68,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainer attach: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     info, _, problem = launch_info(plan)
-    if info is None:
-        print(f"trainer attach: {problem}", file=sys.stderr)
+    nodes = launched_nodes(info) if info is not None else None
+    if info is None or nodes is None:
+        print(f"trainer attach: {printable(problem or f'run {args.run_name}: {MALFORMED}')}", file=sys.stderr)
         return exitcodes.FAILURE
-    nodes = {str(host): int(rank) for host, rank in (info.get("nodes") or {}).items()}
     try:
         # The launch's own nodes (--exclude-failed may have left some out) and kind of job.
         cluster = dataclasses.replace(cluster, workers=tuple(h for h in cluster.workers if h.name in nodes))
@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         return exitcodes.CONFIG_ERROR
     if {n.host: n.node_rank for n in plan.topology.nodes} != nodes:
         print(
-            f"trainer attach: the launch's nodes {nodes} no longer match the inventory; attach with the "
-            "inventory it was launched with",
+            f"trainer attach: the launch's nodes {printable(str(nodes))} no longer match the inventory; "
+            "attach with the inventory it was launched with",
             file=sys.stderr,
         )
         return exitcodes.CONFIG_ERROR

@@ -29,9 +29,11 @@ from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError
 from trainer.controller.launcher.status import (
     COMMAND_TIMEOUT_S,
+    MALFORMED,
     PLAYBOOKS,
     describe_report,
     launch_info,
+    launched_nodes,
     plan_for_status,
     problem_of,
     read_nodes,
@@ -107,11 +109,14 @@ def run(args: argparse.Namespace) -> int:
         note(problem)
         # The head answered and has no such run: the name is wrong. Else the head is out of reach.
         return exitcodes.CONFIG_ERROR if head_report is not None else exitcodes.FAILURE
-    launched = {str(host): int(rank) for host, rank in (info.get("nodes") or {}).items()}
+    launched = launched_nodes(info)
+    if launched is None:
+        note(f"run {plan.run_name}: {MALFORMED}")
+        return exitcodes.FAILURE
     try:
         nodes = pick_nodes(launched, args.node, plan.run_name)
     except LogsError as err:
-        print(f"trainer logs: {err}", file=sys.stderr)
+        note(str(err))
         return exitcodes.CONFIG_ERROR
     printer = LinePrinter(prefixed=args.node is None)
     try:

@@ -78,7 +78,22 @@ def launch_info(plan: JobPlan, tail: int = 0) -> tuple[dict[str, Any] | None, di
         runs = [name for name in report.get("runs") or [] if name != plan.run_name]
         known = f"; runs launched there: {', '.join(runs)} (--run-name NAME)" if runs else ""
         return None, report, f"run {plan.run_name} has no launch on {head.host} ({plan.launch_dir}){known}"
-    return report["info"], report, ""
+    info = report["info"]
+    return (info if isinstance(info, dict) else {"nodes": None}), report, ""
+
+
+def launched_nodes(info: dict[str, Any]) -> dict[str, int] | None:
+    """launch.json's nodes (host -> node rank); None when they are not that (the node dir is the
+    training account's: its records are checked, never trusted to parse)."""
+    nodes = info.get("nodes")
+    if not isinstance(nodes, dict):
+        return None
+    if not all(isinstance(rank, int) and not isinstance(rank, bool) for rank in nodes.values()):
+        return None
+    return {str(host): rank for host, rank in nodes.items()}
+
+
+MALFORMED = "its launch.json on the head names no nodes as host -> node rank (it was changed there)"
 
 
 def launcher_alive(info: dict[str, Any]) -> bool:
@@ -146,7 +161,10 @@ def run(args: argparse.Namespace) -> int:
     if info is None:
         say(f"trainer status: {problem}", file=sys.stderr)
         return exitcodes.FAILURE
-    nodes = {str(host): int(rank) for host, rank in (info.get("nodes") or {}).items()}
+    nodes = launched_nodes(info)
+    if nodes is None:
+        say(f"trainer status: run {plan.run_name}: {MALFORMED}", file=sys.stderr)
+        return exitcodes.FAILURE
     others = {host: rank for host, rank in nodes.items() if host != plan.topology.head.host}
     result = read_nodes(plan, others, args.lines) if others else None
     reports = {plan.topology.head.host: head_report}

@@ -27,7 +27,7 @@ from trainer.controller.launcher.launch import STOP_TASK, Launcher, WatchOptions
 from trainer.controller.launcher.live import LiveView, node_text, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state
-from trainer.controller.launcher.status import launch_info
+from trainer.controller.launcher.status import MALFORMED, launch_info, launched_nodes
 from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.runner import PlaybookResult
 
@@ -73,7 +73,10 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
     try:
         plan = make_plan(cluster, run_name=run_name)
         info, head_report, problem = launch_info(plan)
-        if info is not None:
+        if info is not None and launched_nodes(info) is None:
+            # A stop goes on whatever the head's records say: every node of the inventory.
+            view.message(f"run {run_name}: {MALFORMED}: stopping the run on every node of the inventory")
+        elif info is not None:
             plan = launched_plan(cluster, run_name, info)
         elif head_report is not None and run_name not in (head_report.get("runs") or []):
             raise StopError(problem)
@@ -100,7 +103,7 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
 
 def launched_plan(cluster: Cluster, run_name: str, info: dict[str, Any]) -> JobPlan:
     """The plan of the launch `info` (launch.json) describes: its own nodes, with their own ranks."""
-    nodes = {str(host): int(rank) for host, rank in (info.get("nodes") or {}).items()}
+    nodes = launched_nodes(info) or {}
     plan = make_plan(
         dataclasses.replace(cluster, workers=tuple(h for h in cluster.workers if h.name in nodes)),
         run_name=run_name,
