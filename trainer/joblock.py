@@ -27,8 +27,8 @@ is dead. A machine is its host name together with its kernel's boot id and its p
 agree. A holder whose heartbeat finds another job's token in the lock (it changed hands under it: a
 three-way takeover race, or a lock deleted by hand) stops its own job: two jobs never go on writing
 one output dir. The age is read on the file system's own clock (the mtime of a file written just now beside
-it), so the nodes' clocks need not agree. Standard library only: batch scripts run it with the venv's
-python before anything else.
+it), so the nodes' clocks need not agree. Standard library only (with trainer.safe_files, which is
+too): batch scripts run it with the venv's python before anything else.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trainer.safe_files import write_file
 
 LOCK_FILE = "job.lock"
 #: How often a holder refreshes its lock's mtime (trainer train's thread, the batch script's loop).
@@ -172,7 +174,7 @@ class JobLock:
         directory.mkdir(parents=True, exist_ok=True)
         candidate = directory / f".{LOCK_FILE}.{self.token}"
         aside = directory / f".{LOCK_FILE}.stale.{self.token}"
-        candidate.write_text(json.dumps(self.holder()) + "\n")
+        write_file(candidate, json.dumps(self.holder()) + "\n")  # never through a planted link
         try:
             # A few rounds: each one that fails lost a race to another taker, who is then read anew.
             for _ in range(5):
