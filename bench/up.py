@@ -9,7 +9,8 @@ keys, the sudo accounts, ct-worker2's port), then runs, from this checkout,
 and prints the wall time of each phase: create, provision (site.yml, cold: every role), preflight
 (the probe pass), launch to the first step (from `up` starting its launch to rank 0's first `step`
 line on the launcher's screen, which polls every 2 s), and the total from the start of create to that
-first step, against the issue's goal (5 minutes). The end of the run is timed too. The base image
+first step, against the goal (3 minutes), and where the provision's time went (up's own breakdown:
+each play, the environment's build, pack, publish and unpack). The end of the run is timed too. The base image
 (localhost/clustertrain-base:bookworm) and the wheelhouse (.cache/wheelhouse) are built once and
 reused by molecule.sh; destroy is timed but not counted.
 
@@ -44,7 +45,7 @@ from helpers.testbed_nodes import ENV, INVENTORY, LauncherOutput  # noqa: E402 -
 
 MOLECULE = REPO / "scripts" / "testbed" / "molecule.sh"
 STATUS = Path("/tmp/clustertrain-testbed.status")
-GOAL_S = 300.0
+GOAL_S = 180.0  # issue 35's goal (it was 300 s before the environment was built once)
 #: `up`'s own lines (trainer/controller/up.py) and rank 0's step line.
 PHASE_START = r"^up: {phase} \.\.\.$"
 PHASE_END = re.compile(r"^up: (provision|preflight|launch) (done|FAILED) in (\d+\.\d) s")
@@ -136,6 +137,9 @@ def measure(args: argparse.Namespace) -> int:
         total = create_s + before_launch + to_first
         verdict = "within" if total <= GOAL_S else "over"
         row("total: create to the first step", total, f"{verdict} the goal of {GOAL_S:.0f} s")
+    breakdown = [line.text for line in up.lines if line.text.startswith("  ") and " s  " in line.text[:14]]
+    if breakdown:
+        print("where the provision's time went (trainer up):\n" + "\n".join(breakdown), flush=True)
     _, launch_s = phases.get("launch", ("not reached", None))
     row("launch to the end of the run", launch_s, f"exit {code}")
     if code != 0:

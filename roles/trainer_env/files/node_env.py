@@ -225,24 +225,37 @@ def copy_verified(source: str, dest: Path, reader: str, timeout_s: int) -> str:
     return digest.hexdigest()
 
 
-def swap_in(unpacked: Path, final: Path) -> None:
-    """Put `unpacked` where `final` is (a rename where both are on one filesystem), the old one removed."""
+def swap_in(unpacked: Path, final: Path) -> Path | None:
+    """Put `unpacked` where `final` is (a rename where both are on one filesystem). Returns the old
+    one, moved aside, for `remove_later`."""
     final.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     if os.path.lexists(final):
         os.rename(final, old)
     shutil.move(unpacked, final)
-    if os.path.lexists(old):
-        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    return old if os.path.lexists(old) else None
 
 
-def extract(pack_path: Path, places: dict[str, Path]) -> None:
+def remove_later(paths: list[Path]) -> None:
+    """Remove replaced trees in the background: a 1.6 GB venv took minutes to delete on a loaded
+    node, all of it in the provision's critical path. rm does not follow links (the old ops dir is
+    the training account's); a new session keeps it alive when Ansible's connection closes."""
+    if paths:
+        subprocess.Popen(
+            ["rm", "-rf", "--one-file-system", "--", *map(str, paths)], start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+
+def extract(pack_path: Path, places: dict[str, Path]) -> list[Path]:
     """Unpack the pack once into a fresh root-made dir beside the venv, then swap each member in:
     nothing the training account planted where the ops dir is can redirect what root writes. Each
-    member's own dir keeps the builder's mode and owner (the ops dir: the training account's)."""
+    member's own dir keeps the builder's mode and owner (the ops dir: the training account's).
+    Returns the replaced trees, moved aside."""
     first = next(iter(places.values()))
     first.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{first.name}.unpack-", dir=first.parent))
+    replaced = []
     try:
         subprocess.run(
             ["tar", "--extract", "--zstd", "--file", str(pack_path), "--same-owner", "--same-permissions",
@@ -250,10 +263,11 @@ def extract(pack_path: Path, places: dict[str, Path]) -> None:
             check=True,
         )  # fmt: skip
         for member, final in places.items():
-            if (staging / member).is_dir():
-                swap_in(staging / member, final)
+            if (staging / member).is_dir() and (old := swap_in(staging / member, final)):
+                replaced.append(old)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return replaced
 
 
 def unpack(args) -> dict:
@@ -281,7 +295,7 @@ def unpack(args) -> dict:
         raise SystemExit(f"refused {target}: its sha256 is not the recorded {args.sha256}; nothing unpacked")
     started = time.monotonic()
     members = [rel(venv), rel(ops)]
-    extract(target, dict(zip(members, (venv, ops), strict=True)))
+    replaced = extract(target, dict(zip(members, (venv, ops), strict=True)))
     seconds["unpack"] = round(time.monotonic() - started, 1)
     tree = tree_digest(venv)
     if tree != args.tree:
@@ -295,11 +309,13 @@ def unpack(args) -> dict:
             "size": target.stat().st_size,
             "tree": tree,
             "members": members,
-            "how": f"unpacked from {args.origin}" if args.source else "restored from this node's pack",
+            "how": f"unpacked from {args.origin}" if args.origin else "restored from this node's pack",
         },
     )
     drop_other_packs(envs, args.key)
-    return {"changed": True, "did": "unpack" if args.source else "restore", "seconds": seconds, **state(args)}
+    remove_later(replaced)
+    did = "unpack" if args.source else "seed" if args.origin else "restore"
+    return {"changed": True, "did": did, "seconds": seconds, **state(args)}
 
 
 def main() -> int:

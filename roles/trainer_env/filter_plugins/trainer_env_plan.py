@@ -10,15 +10,21 @@ environment, built once:
   or the first node of that key ("build"). A node outside the play (a `--limit` run) can be the
   source only where it holds the environment and its pack: nothing is built there. Where only this
   project's wheel changed ("update"), the node holding the rest installs the wheel and packs again.
+- where no node in the play holds it, the controller's kept pack of that key ("seed": copied to the
+  source, checked, unpacked) or of the same stack with another wheel ("seed-update"), when the
+  controller keeps packs (trainer_env_controller_keeps_envs), before a build.
 - every other node of the key is "current" (it holds the same tree), "restore" (it holds the key's
   pack, verified before use, but its venv or ops changed since: unpacked again from its own copy) or
   "unpack" (it gets the source's pack through the shared dir).
 
-Returns {"envs": {key: {"source", "source_action", "hosts", "publish"}}, "hosts": {node: {"action",
-"why", "source"}}}: `why` is what `--check --diff` and the log say for the node.
+Returns {"envs": {key: {"source", "source_action", "hosts", "publish", "keep"}}, "hosts": {node:
+{"action", "why", "source", "seed"}}}: `why` is what `--check --diff` and the log say for the node.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 
 def _holds(state: dict, key: str) -> bool:
@@ -44,7 +50,8 @@ def _why_not_current(state: dict, key: str) -> str:
     return "its DeepSpeed ops changed since they were installed"
 
 
-def trainer_env_plan(states: dict, head: str) -> dict:
+def trainer_env_plan(states: dict, head: str, cached: dict | None = None) -> dict:
+    cached = cached or {}
     by_key: dict[str, list[str]] = {}
     for host, entry in states.items():  # inventory order, the head first where it is in the play
         by_key.setdefault(entry["key"], []).append(host)
@@ -54,6 +61,8 @@ def trainer_env_plan(states: dict, head: str) -> dict:
         playing = [h for h in members if states[h].get("in_play", True)]
         holders = [h for h in members if _holds(states[h]["state"], key)]
         with_pack = [h for h in holders if states[h]["state"].get("pack_cached")]
+        seed = ""  # the controller's kept pack the source starts from
+        same_base = [k for k, record in cached.items() if record.get("base") == states[members[0]]["base"]]
         if with_pack:
             source, action, why = with_pack[0], "current", "holds the environment and its pack"
         elif holders and holders[0] in playing:
@@ -61,14 +70,20 @@ def trainer_env_plan(states: dict, head: str) -> dict:
         elif updatable := [h for h in playing if _holds_base(states[h]["state"], states[h]["base"])]:
             source, action = updatable[0], "update"
             why = "installs this checkout's wheel into the environment it holds and packs it"
+        elif key in cached and playing:
+            source, action, seed = playing[0], "seed", key
+            why = "takes it from the controller's kept pack"
+        elif same_base and playing:
+            source, action, seed = playing[0], "seed-update", same_base[-1]
+            why = "takes the controller's kept pack of this stack, installs this checkout's wheel, packs it"
         elif playing:
             source, action = playing[0], "build"
             why = "builds it: " + _why_not_current(states[source]["state"], key)
         else:
             continue  # only out-of-play nodes have this key: nothing to do in this run
         source_tree = (states[source]["state"].get("installed") or {}).get("tree")
-        fresh = action in ("build", "update")  # a new pack: no other node holds it yet
-        hosts[source] = {"action": action, "why": why, "source": source}
+        fresh = action in ("build", "update", "seed", "seed-update")  # a pack no other node holds yet
+        hosts[source] = {"action": action, "why": why, "source": source, "seed": seed}
         for host in playing:
             if host == source:
                 continue
@@ -87,11 +102,30 @@ def trainer_env_plan(states: dict, head: str) -> dict:
             "source_action": action,
             "hosts": [h for h in members if h in hosts],
             "publish": any(hosts[h]["action"] == "unpack" for h in members if h in hosts),
+            # A new pack the controller does not keep yet (trainer_env_controller_keeps_envs).
+            "keep": action in ("build", "update", "pack", "seed-update") and key not in cached,
         }
     return {"envs": envs, "hosts": hosts}
 
 
-def trainer_env_plan_of_play(play_hosts: list, hostvars, head: str, head_state: dict | None = None) -> dict:
+def trainer_env_cached(directory: str) -> dict:
+    """The controller's kept packs (trainer_env_controller_envs): key -> its record, for each record
+    whose pack is there at the recorded size. Read on the controller, the operator's private dir."""
+    kept = {}
+    for record_path in sorted(Path(directory).glob("*.json")):
+        try:
+            record = json.loads(record_path.read_text())
+            pack = record_path.with_suffix(".tar.zst")
+            if pack.stat().st_size == record["size"] and record["key"] == record_path.stem:
+                kept[record["key"]] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return kept
+
+
+def trainer_env_plan_of_play(
+    play_hosts: list, hostvars, head: str, head_state: dict | None = None, cached: dict | None = None
+) -> dict:
     """The plan for this play's nodes, from each one's trainer_env_key, _base and _state facts. The
     head's state, read when the head is not in the play (`head_state`), makes it a candidate source
     for the environment it holds, whatever key the inventory would give it now."""
@@ -108,9 +142,9 @@ def trainer_env_plan_of_play(play_hosts: list, hostvars, head: str, head_state: 
             "state": facts["trainer_env_state"],
             "in_play": True,
         }
-    return trainer_env_plan(states, head)
+    return trainer_env_plan(states, head, cached or {})
 
 
 class FilterModule:
     def filters(self):
-        return {"trainer_env_plan": trainer_env_plan_of_play}
+        return {"trainer_env_plan": trainer_env_plan_of_play, "trainer_env_cached": trainer_env_cached}

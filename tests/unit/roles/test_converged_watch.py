@@ -31,7 +31,14 @@ WRITERS = {
 #: What roles write that is not state to keep: scratch files of a check, removed in the same run.
 NOT_STATE = {
     "nfs_client": {"nfs_client_export_path/nfs_client_check_file", "/var/tmp/clustertrain-nfs-check"},
-    "trainer_env": {"trainer_env_node_wheelhouse.tar"},  # unpacked, then removed
+    "trainer_env": {
+        "trainer_env_node_wheelhouse.tar",  # unpacked, then removed
+        "trainer_env_envs_dir/trainer_env_action.seed.tar.zst",  # the seed: unpacked, then the key's own pack
+        # The controller's kept packs: the controller's files, not the node's.
+        "trainer_env_controller_envs",
+        "trainer_env_controller_envs/item.key.json",
+        "trainer_env_controller_envs/item.0.keyitem.1",
+    },
     "ssh_trust": {"ssh_trust_key_dir.path"},
     "users": {"users_home_probe.stdout"},
 }

@@ -209,8 +209,24 @@ def test_a_replacement_node_takes_the_environment_the_head_holds():
         "source_action": "current",
         "hosts": ["head", "new"],
         "publish": True,
+        "keep": False,
     }
     alone = load_plan()(
         {"head": entry("other", state("other"), in_play=False), "new": entry("k", state())}, "head"
     )
     assert alone["hosts"]["new"]["action"] == "build", "the head holds another key: the new node builds"
+
+
+def test_a_rebuilt_cluster_starts_from_the_controllers_kept_pack():
+    plan = load_plan()
+    fresh = {h: entry("k", state()) for h in ("head", "w1")}
+    kept = {"k": {"key": "k", "base": "base-k", "sha256": "s", "tree": "t"}}
+    seeded = plan(fresh, "head", kept)
+    assert seeded["hosts"]["head"]["action"] == "seed" and seeded["hosts"]["head"]["seed"] == "k"
+    assert seeded["hosts"]["w1"]["action"] == "unpack" and not seeded["envs"]["k"]["keep"]
+    other_wheel = {"old": {"key": "old", "base": "base-k", "sha256": "s", "tree": "t"}}
+    updated = plan(fresh, "head", other_wheel)
+    assert updated["hosts"]["head"]["action"] == "seed-update" and updated["hosts"]["head"]["seed"] == "old"
+    assert updated["envs"]["k"]["keep"], "the new build is kept in place of the old one"
+    other_stack = {"x": {"key": "x", "base": "another", "sha256": "s", "tree": "t"}}
+    assert plan(fresh, "head", other_stack)["hosts"]["head"]["action"] == "build"
