@@ -62,6 +62,8 @@ class Kind:
 KINDS = {
     "model": Kind("models", "model.name_or_path"),
     "data": Kind("datasets", "data.path"),
+    # Your own training code, for `trainer launch -- COMMAND` (it runs in training_workdir).
+    "code": Kind("code", ""),
 }
 
 
@@ -84,7 +86,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--kind",
         choices=("auto", *KINDS),
         default="auto",
-        help="model (to <shared>/models) or data (to <shared>/datasets); auto: a directory with "
+        help="model (to <shared>/models), data (to <shared>/datasets) or code (to <shared>/code: your "
+        "own script or project, for trainer launch -- COMMAND); auto: a directory with "
         f"{' or '.join(MODEL_FILES)} is a model, anything else data (default: %(default)s)",
     )
     parser.add_argument(
@@ -227,6 +230,12 @@ def push(request: Request, args: argparse.Namespace) -> int:
             f"note: {where} also has {len(found.extra)} file(s) that {request.source} has not "
             f"({', '.join(found.extra[:5])}); push again with --delete to remove them"
         )
+    if not request.kind.config_key:  # code: run it from there
+        print(
+            f"run it on every node by its path there, e.g.:\n  trainer launch -i INVENTORY -- torchrun "
+            f"{request.destination}{'' if request.source.is_file() else '/train.py'}"
+        )
+        return exitcodes.OK
     print(f"put this in your training config:\n  {request.kind.config_key}: {request.destination}")
     return exitcodes.OK
 

@@ -100,6 +100,55 @@ def launcher_of(command: Sequence[str]) -> tuple[str | None, int]:
     return None, 0
 
 
+#: Shells whose first argument is a script file (`bash finetune/finetune_lora_ds.sh`).
+_SHELLS = {"bash", "sh", "dash", "zsh"}
+#: python's own options that take a value (so the word after them is not the script).
+_PYTHON_VALUED = {"-X", "-W", "-Q"}
+
+
+def script_of(command: Sequence[str]) -> str | None:
+    """The script file `command` runs (`train.py` of `torchrun train.py`, `python -u train.py`, `accelerate
+    launch train.py`, `bash run.sh`), as written: relative paths are the working directory's. None for a
+    module (`-m pkg`), inline code (`-c`) or a program that is itself the script (checked as the program)."""
+    launcher, start = launcher_of(command)
+    if launcher is not None:
+        args = list(command[start:])
+        index = _script_index(args)
+        options = _options(args[:index])
+        if index >= len(args) or {"module", "m", "no_python", "run_path"} & set(options):
+            return None
+        script = args[index]
+        return None if script.startswith("-") else script
+    if not command:
+        return None
+    program = PurePosixPath(command[0]).name
+    if not (_PYTHON.fullmatch(program) or program in _SHELLS):
+        return None
+    args, python, index = list(command[1:]), bool(_PYTHON.fullmatch(program)), 0
+    while index < len(args) and args[index].startswith("-"):
+        flag = args[index]
+        if flag in ("-m", "-c") or (python and flag.startswith(("-m", "-c"))):  # also -mpkg, -cCODE
+            return None
+        index += 2 if python and flag in _PYTHON_VALUED else 1
+    return args[index] if index < len(args) else None
+
+
+def _script_index(args: Sequence[str]) -> int:
+    """Where a launcher's own options end (as `_options` reads them): the script's index."""
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if not arg.startswith("--"):
+            return index
+        name, has_value, _ = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        takes_next = index + 1 < len(args) and not args[index + 1].startswith("-")
+        if not has_value and takes_next and name not in _FLAGS:
+            index += 1
+        index += 1
+    return index
+
+
 def _options(args: Sequence[str]) -> dict[str, str | None]:
     """The launcher's own options (before the script): `--name value`, `--name=value` or a flag, with
     `-` and `_` in names treated alike, as torch's and accelerate's parsers do."""

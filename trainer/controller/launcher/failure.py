@@ -261,7 +261,10 @@ def host_events(hs: HostState, ranks: range | None, now: float) -> list[Event]:
         elif hs.exit_code is None:
             kind, code, message = "killed", exitcodes.FAILURE, hs.detail or "killed"
         else:
-            kind, code, message = "exit", hs.exit_code, hs.detail or f"exit code {hs.exit_code}"
+            # The rank's own error line where it printed one (`can't open file ...`, an exception's
+            # last line): what the operator needs first, not the launcher's exit code.
+            message = hs.output.own_error or hs.detail or f"exit code {hs.exit_code}"
+            kind, code = "exit", hs.exit_code
         events.append(
             Event(
                 hs.exit_time or now,

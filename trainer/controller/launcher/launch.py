@@ -45,6 +45,7 @@ from typing import Any
 
 from trainer import exitcodes
 from trainer.controller import forks
+from trainer.controller.launcher.command_forms import script_of
 from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
 from trainer.controller.launcher.launchfiles import launch_files
 from trainer.controller.launcher.live import JobMonitor, LiveView, node_text
@@ -364,7 +365,12 @@ class Launcher:
             check = (
                 {}
                 if plan.runs_bundled_trainer
-                else {"workdir": plan.workdir(n), "program": plan.node_command(n)[0], "venv_bin": venv_bin}
+                else {
+                    "workdir": plan.workdir(n),
+                    "program": plan.node_command(n)[0],
+                    "venv_bin": venv_bin,
+                    "script": script_of(plan.user_command) or "",
+                }
             )
             nodes[n.host] = {
                 "node_rank": n.node_rank,

@@ -31,6 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from trainer.controller.launcher.rank_output import RankOutput
 from trainer.controller.launcher.world import WorldCheck
 from trainer.peer_loss import is_peer_loss
 
@@ -209,6 +210,8 @@ class HostState:
     lost_since: float | None = None
     #: The signal that killed the rank torchrun names first (its summary's `exitcode : -9`), if any.
     killed_by: int | None = None
+    #: Its lines told apart: the ranks' own (and their first error line), a launcher's traceback.
+    output: RankOutput = field(default_factory=RankOutput)
 
     @property
     def failed(self) -> bool:
@@ -227,9 +230,11 @@ class HostState:
     def final(self) -> bool:
         return self.state in FINAL_STATES
 
-    def add_lines(self, lines: list[str]) -> None:
+    def add_lines(self, lines: list[str]) -> list[str]:
+        """Take a report's lines; the ones to show (a launcher's traceback is kept in the node log only)."""
+        shown = [kept for line in lines for kept in self.output.feed(line)]
+        self.lines.extend(shown)
         for line in lines:
-            self.lines.append(line)
             if fault := GPU_FAULT_LINE.search(line):
                 self.gpu_fault = fault.groupdict()
             # The first rank torchrun names is its "Root Cause (first observed failure)".
@@ -240,6 +245,7 @@ class HostState:
             if (signaled := TORCHRUN_SIGNALED.match(line)) and self.killed_by is None:
                 self.all_text_flags.add("signaled")
                 self.killed_by = int(signaled.group(1))
+        return shown
 
 
 def exit_is_consequence(record: dict[str, Any]) -> bool:
@@ -454,7 +460,7 @@ class JobMonitor:
     def apply(self, hs: HostState, report: dict[str, Any]) -> None:
         """Take one node_ctl.py report (status or stop) into the host's state."""
         lines = [printable(str(line)) for line in report.get("lines") or []]
-        hs.add_lines(lines)
+        shown = hs.add_lines(lines)
         if lines:
             hs.last_output_at = time.monotonic()
             if not self.progress_from_steps:
@@ -485,8 +491,9 @@ class JobMonitor:
                 self.watchdog_armed = bool(key)
         if hs.host == self.rank0_host:
             arrived = time.monotonic()
-            for line in lines:
+            for line in shown:
                 self.view.log(line)
+            for line in lines:
                 if match := STEP_LINE.match(line):
                     self.step = self.step_rate.see(line, arrived)
                     self.last_step = int(match.group(1))

@@ -682,6 +682,16 @@ def check(request: dict) -> str:
             f"the command's program {program!r} is not found for {user} on PATH {search_path}: "
             "install it in the training venv, or give its full path"
         )
+    script = request.get("script") or ""
+    if script and not (workdir / script).is_file():
+        return (
+            f"the command's script {script} is not in {workdir} on this node (training_workdir: where "
+            f"the command runs, not where you typed it): copy your code onto the shared dir, e.g. trainer "
+            f"push -i INVENTORY ./{Path(script).parts[0]} --kind code, and give the path it prints (or set "
+            "training_workdir to the directory that holds it on every node)"
+        )
+    if script and not os.access(workdir / script, os.R_OK):
+        return f"the command's script {workdir / script} cannot be read by the training user {user}: chmod it"
     return ""
 
 

@@ -1,0 +1,122 @@
+"""A user's command (`trainer launch -- torchrun train.py`): the probe checks the script it names exists
+where the command runs on every node (training_workdir), and says how to get it there; when the job
+fails anyway, the report's first line is the failing rank's own error line, and the launcher's
+(torchrun's) traceback stays in the node log, off the operator's screen."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from trainer.controller.launcher.command_forms import script_of
+from trainer.controller.launcher.failure import diagnose, render
+from trainer.controller.launcher.live import JobMonitor, LiveView
+
+NODE_CTL = Path(__file__).resolve().parents[3] / "trainer/controller/launcher/playbooks/files/node_ctl.py"
+
+
+def node_ctl():
+    spec = importlib.util.spec_from_file_location("node_ctl_under_test", NODE_CTL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("command", "script"),
+    [
+        (["torchrun", "train.py", "--lr", "1"], "train.py"),
+        (["torchrun", "--nproc-per-node", "2", "src/train.py"], "src/train.py"),
+        (["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py"], "train.py"),
+        (["accelerate", "launch", "--mixed_precision", "bf16", "train.py"], "train.py"),
+        (["deepspeed", "train.py", "--deepspeed"], "train.py"),
+        (["python", "-u", "train.py"], "train.py"),
+        (["bash", "finetune/finetune_lora_ds.sh", "-m", "x"], "finetune/finetune_lora_ds.sh"),
+        (["torchrun", "-m", "mypackage.train"], None),
+        (["python", "-c", "print(1)"], None),
+        (["bash", "-c", "echo $NODE_RANK"], None),
+        (["./run.sh"], None),  # the program itself: checked as the program
+    ],
+)
+def test_the_script_a_command_runs_is_found(command, script):
+    assert script_of(command) == script
+
+
+def test_a_script_missing_from_the_working_dir_stops_the_probe_naming_where(tmp_path):
+    workdir = tmp_path / "shared"
+    workdir.mkdir()
+    request = {
+        "workdir": str(workdir),
+        "program": "torchrun",
+        "venv_bin": str(Path(sys.executable).parent),
+        "script": "train.py",
+    }
+    problem = node_ctl().check(request)
+    assert problem.startswith(f"the command's script train.py is not in {workdir} on this node"), problem
+    assert "training_workdir" in problem and "trainer push" in problem
+    (workdir / "train.py").write_text("print('hi')\n")
+    assert node_ctl().check(request) == ""
+
+
+#: What a node running `torchrun train.py` printed when train.py was not in its working directory.
+TORCHRUN_FAILURE = """\
+/opt/clustertrain/venv/bin/python3: can't open file '/srv/shared/train.py': [Errno 2] No such file or directory
+E1127 22:19:03.836000 18616 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 0 (pid: 18628) of binary: /opt/clustertrain/venv/bin/python3
+Traceback (most recent call last):
+  File "/opt/clustertrain/venv/bin/torchrun", line 8, in <module>
+    sys.exit(main())
+             ^^^^^^
+  File "/opt/clustertrain/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+    return f(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^
+  File "/opt/clustertrain/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1028, in main
+    run(args)
+  File "/opt/clustertrain/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1019, in run
+    elastic_launch(
+  File "/opt/clustertrain/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 194, in __call__
+    return launch_agent(
+           ^^^^^^^^^^^^^
+  File "/opt/clustertrain/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-27_22:19:03
+  host      : gpu-head
+  rank      : 0 (local_rank: 0)
+  exitcode  : 2 (pid: 18628)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_the_report_leads_with_the_ranks_own_error_not_torchruns_traceback():
+    out = io.StringIO()
+    with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
+        monitor = JobMonitor({"head": 0, "w1": 1}, "head", view)
+        lines = ["starting", *TORCHRUN_FAILURE.splitlines()]
+        report = {"state": "exited", "exit": {"exit_code": 1, "time": 1000.0}, "lines": lines}
+        monitor.on_message({"host": "head", "type": "report", "report": report})
+        diagnosis = diagnose(monitor, bundled=False, now=2000.0)
+        render(diagnosis, monitor, view)
+    shown = out.getvalue()
+    failed = next(line for line in shown.splitlines() if line.startswith("failed: "))
+    assert failed.startswith(
+        "failed: /opt/clustertrain/venv/bin/python3: can't open file '/srv/shared/train.py': [Errno 2] No such"
+    ), shown
+    assert "rank 0 on head (node 0), exit code 1" in failed
+    # torchrun's own traceback and summary stay in the node log.
+    assert "Traceback (most recent call last)" not in shown and "ChildFailedError" not in shown, shown
+    assert "Root Cause" not in shown
