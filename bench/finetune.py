@@ -15,6 +15,8 @@ change is measured before and after under the same load.
     python bench/finetune.py --model DIR --data FILE --nproc 1 --micro-batch 8 --max-length 512
                              [--gradient-checkpointing] [--lora]      # e.g. a 0.5B model on a GPU
     git worktree add /tmp/before HEAD~1 && python bench/finetune.py --lora --baseline /tmp/before
+    python bench/finetune.py --lora --each-off     # also the trainer with each speed-up off in turn
+                                                   # (trainer/node/speedups.py), and with all off
 
 On a GPU it also prints MFU: 6 × parameters × tokens/s over the GPU's peak bf16 dense FLOP/s
 (--peak-tflops, default 989 for an H100 SXM); attention's own FLOPs are left out, as usual.
@@ -70,11 +72,21 @@ def overrides(args: argparse.Namespace) -> list[str]:
     return sets
 
 
-def trainer_run(args: argparse.Namespace, workdir: str, repo: Path = REPO) -> dict:
-    """`trainer train` from `repo`'s checkout (this one, or --baseline's)."""
+def trainer_run(args: argparse.Namespace, workdir: str, repo: Path = REPO, off: str = "") -> dict:
+    """`trainer train` from `repo`'s checkout (this one, or --baseline's), with the speed-ups named in
+    `off` switched off (TRAINER_SPEEDUPS_OFF)."""
     out = Path(workdir) / "trainer-out"
     sets = [*overrides(args), f"output_dir={out}"]
-    torchrun(args.nproc, ["-m", "trainer", "train", *[a for s in sets for a in ("--set", s)]], workdir, repo)
+    previous = os.environ.get("TRAINER_SPEEDUPS_OFF")
+    os.environ["TRAINER_SPEEDUPS_OFF"] = off
+    try:
+        torchrun(
+            args.nproc, ["-m", "trainer", "train", *[a for s in sets for a in ("--set", s)]], workdir, repo
+        )
+    finally:
+        os.environ.pop("TRAINER_SPEEDUPS_OFF")
+        if previous is not None:
+            os.environ["TRAINER_SPEEDUPS_OFF"] = previous
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in records if r["step"] > WARMUP]
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steady)
@@ -225,6 +237,11 @@ def main() -> None:
     parser.add_argument(
         "--baseline", type=Path, help="another checkout of this repository, run in the same rounds"
     )
+    parser.add_argument(
+        "--each-off",
+        action="store_true",
+        help="in each round, also the trainer with each speed-up off alone and with all off",
+    )
     parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hf_worker:
@@ -237,6 +254,10 @@ def main() -> None:
         if not args.data:
             parser.error("--data is needed with --model")
         ratios, ours, theirs, baseline_ratios = [], [], [], []
+        from trainer.node.speedups import SPEEDUPS
+
+        each_off = [*SPEEDUPS, "all"] if args.each_off else []
+        off_ratios: dict[str, list[float]] = {name: [] for name in each_off}
         for round_index in range(args.rounds):
             order = ("trainer", "hf") if round_index % 4 in (0, 3) else ("hf", "trainer")
             if args.baseline:  # each contestant first, middle and last in turn
@@ -248,6 +269,11 @@ def main() -> None:
                     results[name] = hf_run(args, workdir)
                 else:
                     results[name] = trainer_run(args, workdir, args.baseline if name == "baseline" else REPO)
+            # Each speed-up off alone, against the trainer with all on measured just before or after.
+            names = each_off if round_index % 2 == 0 else each_off[::-1]
+            for name in names:
+                rate = trainer_run(args, workdir, REPO, off=name)["tokens_per_s"]
+                off_ratios[name].append(rate / results["trainer"]["tokens_per_s"])
             ratio = results["trainer"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
             ratios.append(ratio)
             ours.append(results["trainer"])
@@ -279,6 +305,11 @@ def main() -> None:
             f"final loss (mean of the last {LAST} steps): trainer {loss_ours:.4f}, "
             f"HF Trainer {loss_theirs:.4f}"
         )
+        for name, values in off_ratios.items():
+            print(
+                f"trainer with {name} off / all on: {mean(values):.3f} (geometric mean of {len(values)} "
+                f"rounds; min {min(values):.3f}, max {max(values):.3f})"
+            )
         if args.baseline:
             print(
                 f"baseline ({args.baseline}) / HF Trainer: {mean(baseline_ratios):.3f}; "

@@ -15,8 +15,11 @@
 #
 # GPU_CHECK_SPEEDUPS=1: instead of the runs above, issue 41's before/after: each group's runs in one
 # torchrun process (`gpu_check.py variants`, no checkpoint written), `*_before` with every speed-up off
-# (TRAINER_SPEEDUPS_OFF=all: the trainer as it was), `*_after` with all on (the defaults), then each
-# speed-up off alone and train.compile on; the table in $OUT/speedups.json and at the end of the output.
+# (TRAINER_SPEEDUPS_OFF=all: the trainer as it was), `*_after` with all on, then each speed-up off
+# alone and train.compile on; the table in $OUT/speedups.json and at the end of the output. The runs
+# set train.compile=false where they do not name it (it was the default then).
+# GPU_CHECK_SPEEDUPS=final: the defaults as they ended (compile auto) against before, compile under
+# Q-LoRA and ZeRO-2, and a second process's compile from the warm cache.
 set -u
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -99,6 +102,7 @@ variants() {
     train.gradient_accumulation_steps=1 train.learning_rate=0.0001 train.min_lr=0.00001 train.warmup_steps=5
     "train.mixed_precision=$PRECISION" checkpoint.save_steps=0 checkpoint.resume=never health.poll_interval_s=1
   )
+  [ "$SPEEDUPS" = 1 ] && sets+=(train.compile=false) # the default of the first measurement
   local args=()
   for s in "${sets[@]}"; do args+=(--set "$s"); done
   echo "--- variants $tag (limit ${limit}s)"
@@ -170,7 +174,8 @@ step build_data 60 "$PY" bench/gpu_check.py data "$DATA" --records "$RECORDS" --
 timeout 30 "$PY" -m trainer.torch_extensions remove-stale >"$WORK/logs/remove_stale.log" 2>&1
 
 LORA=(lora.enabled=true lora.r=16 lora.alpha=32)
-if [ "${GPU_CHECK_SPEEDUPS:-0}" = 1 ] && [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
+SPEEDUPS=${GPU_CHECK_SPEEDUPS:-0}
+if [ "$SPEEDUPS" != 0 ] && [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
   v() { # v NAME OFF SET...: one variant as JSON
     local name=$1 off=$2
     shift 2
@@ -179,15 +184,32 @@ if [ "${GPU_CHECK_SPEEDUPS:-0}" = 1 ] && [ -f "$MODEL/config.json" ] && [ -f "$D
   plan() { local IFS=,; echo "[$*]"; }
   QLORA=()
   [ "$CPU" = 1 ] || QLORA=("$(v qlora_before all "${LORA[@]}" lora.qlora=true)" "$(v qlora_after "" "${LORA[@]}" lora.qlora=true)")
-  variants ddp "$(plan "$(v full_before all)" "$(v full_after "")" "$(v lora_before all "${LORA[@]}")" \
+  NOCOMPILE=train.compile=false ZERO2=(distributed.engine=deepspeed distributed.zero_stage=2)
+  if [ "$SPEEDUPS" = final ]; then
+    # The defaults as they ended (train.compile=auto compiles ddp runs on a GPU) against the trainer
+    # before (every speed-up off, no compile); compile where auto does not turn it on; a second
+    # process's compile from the warm cache.
+    [ "$CPU" = 1 ] || QLORA=("$(v qlora_before all "${LORA[@]}" lora.qlora=true $NOCOMPILE)" \
+      "$(v qlora_compile "" "${LORA[@]}" lora.qlora=true train.compile=true)")
+    variants ddp "$(plan "$(v full_before all $NOCOMPILE)" "$(v full_after "")" \
+      "$(v lora_before all "${LORA[@]}" $NOCOMPILE)" "$(v lora_after "" "${LORA[@]}")" \
+      "$(v lora_dropout0 "" "${LORA[@]}" lora.dropout=0)" "${QLORA[@]}")"
+    variants warm "$(plan "$(v full_after_warm_cache "")")"
+    variants zero2_compile "$(plan "$(v zero2_compile "" "${ZERO2[@]}" train.compile=true)")"
+    variants zero2_before "$(plan "$(v zero2_before all "${ZERO2[@]}" $NOCOMPILE)")"
+    timeout 60 "$PY" bench/gpu_check.py variants-summary "$WORK" "$OUT" | tee "$OUT/speedups_summary.txt"
+    SPEEDUPS=done
+  fi
+  [ "$SPEEDUPS" = done ] || variants ddp "$(plan "$(v full_before all)" "$(v full_after "")" "$(v lora_before all "${LORA[@]}")" \
     "$(v lora_after "" "${LORA[@]}")" "${QLORA[@]}")"
-  variants zero2_before "$(plan "$(v zero2_before all distributed.engine=deepspeed distributed.zero_stage=2)")"
-  variants zero2_after "$(plan "$(v zero2_after "" distributed.engine=deepspeed distributed.zero_stage=2)")"
-  variants each "$(plan "$(v full_compile "" train.compile=true)" "$(v full__chunked_loss_off chunked_loss)" \
+  [ "$SPEEDUPS" = done ] || variants zero2_before "$(plan "$(v zero2_before all "${ZERO2[@]}")")"
+  [ "$SPEEDUPS" = done ] || variants zero2_after "$(plan "$(v zero2_after "" "${ZERO2[@]}")")"
+  [ "$SPEEDUPS" = done ] || variants each "$(plan "$(v full_compile "" train.compile=true)" "$(v full__chunked_loss_off chunked_loss)" \
     "$(v full__async_loss_off async_loss)" "$(v full__fused_adamw_off fused_adamw)" \
     "$(v lora__lora_fused_off lora_fused "${LORA[@]}")" "$(v lora_dropout0 "" "${LORA[@]}" lora.dropout=0)" \
     "$(v full__gc_freeze_off gc_freeze)" "$(v lora_compile "" "${LORA[@]}" train.compile=true)")"
-  timeout 60 "$PY" bench/gpu_check.py variants-summary "$WORK" "$OUT" | tee "$OUT/speedups_summary.txt"
+  [ "$SPEEDUPS" = done ] || timeout 60 "$PY" bench/gpu_check.py variants-summary "$WORK" "$OUT" |
+    tee "$OUT/speedups_summary.txt"
 elif [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
   train ddp_full distributed.engine=ddp
   train ddp_lora distributed.engine=ddp lora.enabled=true lora.r=16 lora.alpha=32

@@ -25,8 +25,9 @@ SPEEDUPS: dict[str, str] = {
     "gc_freeze": "Python's garbage collector freezes what start-up made (the model, the data index), so "
     "no collection walks it during the steps",
     "chunked_loss": "the output head and the cross-entropy of a Hugging Face model run over chunks of "
-    "tokens, each chunk's logits recomputed in the backward pass: a micro batch's logits (tokens x "
-    "vocabulary, in fp32) are never held whole",
+    "tokens where a micro batch has more than 2^30 logits (tokens x vocabulary), each chunk's logits "
+    "recomputed in the backward pass, so they are never held whole; on the CPU only the labelled "
+    "positions go through the head",
     "lora_fused": "a LoRA layer (peft) computes base(x) + (dropout(x) @ A^T) @ (scale * B)^T with the "
     "scale folded into the small matrix B and the sum made by the second matmul (addmm), instead of "
     "separate passes over the layer's output for the scale and the sum; no dropout call at dropout 0",

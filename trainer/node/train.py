@@ -514,8 +514,9 @@ def _build_engine(config: TrainerConfig, job: Job, topology: Topology, *, bf16: 
     out of memory here is the config's problem, said as such."""
     try:
         model, model_line = job.build_model(topology, bf16=bf16)
-        if config.train.compile:
+        if compile_wanted(config, topology):
             model.compile()
+            model_line += ", compiled"
         engine = create_engine(
             config.train, config.distributed, Path(config.output_dir), topology, model, bf16=bf16
         )
@@ -524,6 +525,18 @@ def _build_engine(config: TrainerConfig, job: Job, topology: Topology, *, bf16: 
             raise out_of_memory_error(error) from None
         raise
     return engine, model_line
+
+
+def compile_wanted(config: TrainerConfig, topology: Topology) -> bool:
+    """train.compile resolved: auto compiles where it was measured to help (docs/performance.md)."""
+    if config.train.compile != "auto":
+        return bool(config.train.compile)
+    return (
+        topology.device.startswith("cuda")
+        and bool(config.model.name_or_path)
+        and config.distributed.engine in ("ddp", "accelerate")
+        and not config.lora.qlora
+    )
 
 
 def _evaluator(engine: Engine, eval_batches: Any, device: str) -> Callable[[], float] | None:

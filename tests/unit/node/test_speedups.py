@@ -63,6 +63,7 @@ def test_chunked_loss_is_the_models_own_loss_and_gradients(qwen2, monkeypatch):
     # Chunks of 40 labelled tokens: the 150 of the batch take four, each recomputed in the backward.
     monkeypatch.setattr(hf_model, "CHUNK_LOGITS", 40 * qwen2.config.vocab_size)
     monkeypatch.setattr(hf_model, "MIN_CHUNK_TOKENS", 1)
+    monkeypatch.setattr(hf_model, "CHUNK_ABOVE", 0)
     chunked = CausalLMLoss(qwen2)
     assert chunked._parts is not None, "a Qwen2 takes the chunked path"
     assert_same(loss_and_grads(own, inputs), loss_and_grads(chunked, inputs))

@@ -173,6 +173,10 @@ def load_model(
 #: the plain shifted cross-entropy (no logit scaling or soft-capping, no router loss): the chunked loss
 #: below computes exactly what their own forward would. Any other model computes its own loss.
 PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
+#: A micro batch's logits (tokens × vocabulary) up to this many are computed whole: on an H100, a 0.4B
+#: Qwen2's 16k tokens × 32k vocabulary (2^29) in chunks cost 7 % of the step for 4.2 GiB less peak
+#: memory (docs/performance.md); a 152k vocabulary's logits are 5 times larger.
+CHUNK_ABOVE = 2**30
 #: Logits held at once by the chunked loss: tokens per chunk × vocabulary (2^27: 512 MiB in fp32).
 CHUNK_LOGITS = 2**27
 #: Fewest tokens per chunk (a huge vocabulary would otherwise make chunks too small to run fast).
@@ -184,9 +188,10 @@ class CausalLMLoss(nn.Module):
     summed over label tokens and divided by num_items_in_batch (see trainer.node.hf.batches).
 
     With the chunked_loss speed-up (trainer.node.speedups) and a model of PLAIN_HEAD_MODELS, the output
-    head and the cross-entropy run over chunks of at most CHUNK_LOGITS / vocabulary tokens, each
-    chunk's logits recomputed in the backward pass (torch.utils.checkpoint): a micro batch's logits are
-    never held whole (16k tokens × a 152k vocabulary are 9.3 GiB in fp32, with their gradient twice
+    head and the cross-entropy of a micro batch with more than CHUNK_ABOVE logits run over chunks of at
+    most CHUNK_LOGITS / vocabulary tokens, each
+    chunk's logits recomputed in the backward pass (torch.utils.checkpoint): a large micro batch's logits
+    are never held whole (16k tokens × a 152k vocabulary are 9.3 GiB in fp32, with their gradient twice
     that). On the CPU only the labelled positions go through the head (selecting them on a GPU would
     wait for the device). The loss is the model's own, up to the order of the sum."""
 
@@ -254,7 +259,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.T
         keep = targets != IGNORE
         hidden, targets = hidden[keep], targets[keep]
     chunk = max(MIN_CHUNK_TOKENS, CHUNK_LOGITS // head.out_features)
-    if hidden.shape[0] <= chunk:
+    if hidden.shape[0] <= chunk or hidden.shape[0] * head.out_features <= CHUNK_ABOVE:
         return _head_loss(hidden, targets, head)
     from torch.utils.checkpoint import checkpoint
 
