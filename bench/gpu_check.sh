@@ -193,9 +193,10 @@ if [ "$SPEEDUPS" != 0 ] && [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
       "$(v qlora_compile "" "${LORA[@]}" lora.qlora=true train.compile=true)")
     variants ddp "$(plan "$(v full_before all $NOCOMPILE)" "$(v full_after "")" \
       "$(v lora_before all "${LORA[@]}" $NOCOMPILE)" "$(v lora_after "" "${LORA[@]}")" \
-      "$(v lora_dropout0 "" "${LORA[@]}" lora.dropout=0)" "${QLORA[@]}")"
-    variants warm "$(plan "$(v full_after_warm_cache "")")"
+      "$(v lora_dropout0 "" "${LORA[@]}" lora.dropout=0)")"
     variants zero2_compile "$(plan "$(v zero2_compile "" "${ZERO2[@]}" train.compile=true)")"
+    variants warm "$(plan "$(v full_after_warm_cache "")")"
+    [ "$CPU" = 1 ] || variants qlora "$(plan "${QLORA[@]}")"
     variants zero2_before "$(plan "$(v zero2_before all "${ZERO2[@]}" $NOCOMPILE)")"
     timeout 60 "$PY" bench/gpu_check.py variants-summary "$WORK" "$OUT" | tee "$OUT/speedups_summary.txt"
     SPEEDUPS=done
