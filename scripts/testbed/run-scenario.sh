@@ -42,6 +42,8 @@ destroy
 "$testbed_dir/molecule.sh" test -s "$scenario" --destroy never 2>&1 | tee "$logs/molecule.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || fail "molecule test -s $scenario" "$logs/molecule.log"
 phase_done "molecule test -s $scenario"
+# Where the converge's time went (each role, the node environment's build, pack and unpack).
+"$repo_root/.venv/bin/python" "$testbed_dir/converge_times.py" "$logs/molecule.log" | sed 's/^/  /' | tee -a "$logs/times.txt"
 
 if [ "$scenario" = default ]; then
   # -rP: what passing tests print (preflight's wall times on the bed); --durations: where the time goes.
