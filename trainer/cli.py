@@ -23,6 +23,10 @@ from trainer.redaction import secret_set_problem
 #: verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trainer.node.train", "run one training worker (alone or under torchrun/deepspeed/accelerate)"),
+    "data": (
+        "trainer.node.hf.inspect_data",
+        "check a fine-tune's data and show what it trains on: counts, tokens, a sample with its loss",
+    ),
     "plan": ("trainer.controller.launcher.plan", "print the topology from an inventory; touches nothing"),
     "launch": (
         "trainer.controller.launcher.launch_cli",
@@ -103,6 +107,20 @@ def verb_parser(verb: str) -> tuple[ModuleType, argparse.ArgumentParser]:
     return module, parser
 
 
+def _repeated_option(args: list[str], option: str) -> str | None:
+    """A problem when `option` is given twice with different values (argparse would keep the last one
+    silently), else None."""
+    values = []
+    for index, arg in enumerate(args):
+        if arg == option and index + 1 < len(args):
+            values.append(args[index + 1])
+        elif arg.startswith(f"{option}="):
+            values.append(arg.partition("=")[2])
+    if len(set(values)) > 1:
+        return f"{option} given {len(values)} times ({', '.join(values)}); give one"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -120,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(module, "TAKES_COMMAND", False) and "--" in rest:
         split = rest.index("--")
         rest, command = rest[:split], rest[split + 1 :]
+    if problem := _repeated_option(rest, "--config"):
+        print(f"trainer {verb}: {problem}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
     args = parser.parse_args(rest)
     if getattr(module, "TAKES_COMMAND", False):
         args.command = command

@@ -229,7 +229,7 @@ def test_the_live_view_shows_tokens_per_second_and_an_eta_in_the_step_line(stopp
 
 def test_a_run_or_node_that_does_not_exist_is_refused_naming_those_that_do(stopped_run):
     inventory = stopped_run.inventory
-    for verb in ("logs", "stop"):
+    for verb in ("logs", "stop", "status"):
         wrong = subprocess.run(trainer(verb, inventory, "--run-name", "nope"), capture_output=True, text=True)
         assert wrong.returncode == exitcodes.CONFIG_ERROR, wrong.stdout + wrong.stderr
         assert "run nope has no launch on node0" in wrong.stderr, wrong.stderr

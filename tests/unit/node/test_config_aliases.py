@@ -235,3 +235,18 @@ def test_lora_settings_with_lora_off_are_named(tmp_path, capsys):
     assert main(["train", str(path), "--dry-run"]) == exitcodes.OK
     err = capsys.readouterr().err
     assert "lora.r is set (16) but lora.enabled is false: this run trains every weight" in err, err
+
+
+def test_plan_takes_the_config_file_as_a_positional_argument_too(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  micro_batch_size: 3\n")
+    assert main(["plan", "-i", "inventory/local", str(path), "--json"]) == exitcodes.OK
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["config_source"] == str(path) and plan["micro_batch_size"] == 3
+
+
+def test_a_second_config_option_is_refused_not_silently_taken(tmp_path, capsys):
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    for verb in (["train", "--dry-run"], ["plan", "-i", "inventory/local"]):
+        assert main([*verb, "--config", str(first), "--config", str(second)]) == exitcodes.CONFIG_ERROR
+        assert f"--config given 2 times ({first}, {second}); give one" in capsys.readouterr().err

@@ -117,3 +117,19 @@ def test_a_broken_line_is_said_once_by_the_trainer(tiny_model, tmp_path, capfd):
     assert main(["train", "--dry-run", *sets]) == exitcodes.CONFIG_ERROR
     captured = capfd.readouterr()
     assert (captured.out + captured.err).count("cut.jsonl:18") == 1, captured.err
+
+
+def test_trainer_data_shows_a_rendered_sample_and_what_is_trained(tiny_model, tmp_path, capsys):  # noqa: F811
+    data = records_file(tmp_path / "alpaca.jsonl", ALPACA)
+    sets = ["--set", f"model.name_or_path={tiny_model}", "--set", f"data.path={data}"]
+    assert main(["data", "--show-sample", "3", *sets, "--set", "data.eval_fraction=0.1"]) == exitcodes.OK
+    out = capsys.readouterr().out
+    assert "# data: 36 training samples, " in out and " trained (" in out and "; 4 eval samples" in out, out
+    shown = out.partition(f"# sample 3 of 36: {data} record ")[2]
+    assert shown, out
+    number = int(shown.split(" ", 1)[0])  # the 4th training sample, whichever record it is
+    # The prompt is context, the reply is trained: each run marked where it starts.
+    assert f"<|im_start|>user\nName the number after {number}.<|im_end|>" in shown.split("[trained]")[0]
+    assert f"[trained]It is {number + 1}.<|im_end|>" in shown, shown
+    assert main(["data", "--show-sample", "99", *sets]) == exitcodes.CONFIG_ERROR
+    assert "--show-sample: 99 is not a training sample: there are 40 (0 to 39)" in capsys.readouterr().err

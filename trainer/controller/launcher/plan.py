@@ -490,7 +490,20 @@ def plan_from_args(args: argparse.Namespace) -> JobPlan:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_job_arguments(parser)
+    parser.add_argument(
+        "config_file", nargs="?", metavar="CONFIG", help="trainer YAML config on this machine, as --config"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def config_from_positional(args: argparse.Namespace) -> str | None:
+    """`trainer VERB -i INV CONFIG`, as `trainer train CONFIG`: CONFIG is --config; a problem (two
+    different files given) or None."""
+    if getattr(args, "config_file", None):
+        if args.config and args.config != args.config_file:
+            return f"two config files given ({args.config_file} and --config {args.config}); give one"
+        args.config = args.config_file
+    return None
 
 
 def print_plan(plan: JobPlan, console: Any = None) -> None:
@@ -601,6 +614,9 @@ def _shown_value(value: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if problem := config_from_positional(args):
+        print(f"trainer plan: {problem}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
     try:
         plan = plan_from_args(args)
     except (InventoryError, TopologyError, PlanError) as err:

@@ -160,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
     info, head_report, problem = launch_info(plan, args.lines)
     if info is None:
         say(f"trainer status: {problem}", file=sys.stderr)
-        return exitcodes.FAILURE
+        # The head answered and has no such run: the name is wrong (exit 2, as stop and logs). Else the
+        # head is out of reach.
+        return exitcodes.CONFIG_ERROR if head_report is not None else exitcodes.FAILURE
     nodes = launched_nodes(info)
     if nodes is None:
         say(f"trainer status: run {plan.run_name}: {MALFORMED}", file=sys.stderr)

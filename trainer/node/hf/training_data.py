@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.configerror import ConfigError
 from trainer.node.hf import dataset, sources
+from trainer.node.hf.chat import IGNORE
 from trainer.node.hf.packing import Rows, one_per_row, pack
 
 if TYPE_CHECKING:
@@ -29,6 +30,9 @@ class TrainingData:
     """Lines for the log: the template used, what was read, truncated, dropped, packed."""
     facts: dict[str, Any] = field(default_factory=dict)
     """The data section of run.json."""
+    places: list[str] = field(default_factory=list)
+    """Where each training sample came from (`FILE record 3`); empty where the data was reused from the
+    prepared-data cache."""
 
 
 def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
@@ -76,9 +80,16 @@ def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
             f"eval: {len(held_out)} samples held out by data.eval_fraction={data.eval_fraction:g}: {counts} "
             "(drawn before weighting; none of them is trained on)"
         )
+    places = [t.places[i] for _, t in parts for i in (t.order.tolist() if t.order is not None else [])]
     if len(train) == 0:
         summary = "; ".join(t.summary(s.name, max_length, data.overlong) for s, t in parts)
         raise ConfigError(parts[0][0].key, f"no sample is left to train on ({summary})")
+    tokens, trained = int(train.lengths().sum()), int(train.label_counts().sum())
+    notes.append(
+        f"data: {len(train)} training samples, {tokens} tokens, {trained} of them trained "
+        f"({trained / max(tokens, 1):.0%}; {'every token' if data.train_on_inputs else 'the replies only'}); "
+        f"{len(held_out) if held_out is not None else 0} eval samples"
+    )
     if data.packing:
         rows = pack(train.lengths(), max_length)
         fill = train.lengths().sum() / (len(rows) * max_length)
@@ -125,7 +136,35 @@ def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
         rows=rows,
         notes=notes,
         facts=facts,
+        places=places,
     )
+
+
+def show_sample(data: TrainingData, tokenizer: Any, index: int) -> str:
+    """Training sample `index` (0-based, in the order prepared) as the model sees it: its text decoded
+    token by token, each run marked [context] (no loss) or [trained] (the tokens that carry loss)."""
+    if not 0 <= index < len(data.train):
+        raise ConfigError(
+            "--show-sample",
+            f"{index} is not a training sample: there are {len(data.train)} (0 to {len(data.train) - 1})",
+        )
+    ids, labels = data.train.sample(index)
+    trained = [bool(label != IGNORE) and position > 0 for position, label in enumerate(labels.tolist())]
+    runs: list[tuple[bool, list[int]]] = []
+    for token, is_trained in zip(ids.tolist(), trained, strict=True):
+        if runs and runs[-1][0] == is_trained:
+            runs[-1][1].append(token)
+        else:
+            runs.append((is_trained, [token]))
+    text = "".join(
+        f"[{'trained' if is_trained else 'context'}]{tokenizer.decode(tokens)}" for is_trained, tokens in runs
+    )
+    where = f": {data.places[index]}" if index < len(data.places) else ""
+    header = (
+        f"# sample {index} of {len(data.train)}{where} ({len(ids)} tokens, {sum(trained)} of them trained: "
+        "the runs after 'trained' in brackets)"
+    )
+    return f"{header}\n{text}"
 
 
 def _contents(samples: dataset.Samples) -> set[bytes]:
