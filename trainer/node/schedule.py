@@ -62,11 +62,11 @@ class TrainConfig:
     """bf16 autocast: auto = on GPUs that support bf16, off on the CPU; bf16 = always; no = never."""
     compile: bool | Literal["auto"] = "auto"
     """torch.compile the model: each decoder layer of a Hugging Face model (one compilation serves them
-    all), the whole built-in GPT. Slower start (13-16 s for a 0.4B Qwen2 on an H100, its cache under
-    /tmp makes the next run's quicker), faster steps (1.6x there). auto: on for a Hugging Face model
-    on a GPU under the ddp or accelerate engine without Q-LoRA (measured there); off on the CPU (a
-    minute of compiling), under DeepSpeed, with Q-LoRA and for the built-in GPT; true or false: as
-    said."""
+    all), the whole built-in GPT. A slower start (10-16 s for a 0.4B Qwen2 on an H100 or H200; 3 s
+    when its cache, under /tmp on the node, is warm), faster steps (there 1.5-1.7x full or LoRA, 1.2x
+    Q-LoRA). auto: on for a Hugging Face model on a GPU under ddp or DeepSpeed ZeRO-1/2, without
+    gradient checkpointing (where it was measured); off on the CPU (a minute of compiling), for the
+    built-in GPT and elsewhere; true or false: as said."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (Hugging Face models only):
     much less memory for about a third more compute; what fits a 7B model's long samples on a GPU."""

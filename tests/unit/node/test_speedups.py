@@ -118,3 +118,39 @@ def test_an_unknown_speedup_name_is_refused_with_the_known_ones(monkeypatch):
         speedups.describe()
     monkeypatch.setenv(speedups.VARIABLE, "all")
     assert speedups.describe().endswith("fused_adamw, async_loss, gc_freeze, chunked_loss, lora_fused")
+
+
+@pytest.mark.parametrize(
+    ("sets", "device", "compiled"),
+    [
+        (["model.name_or_path=m"], "cuda:0", True),
+        (["model.name_or_path=m", "lora.enabled=true", "lora.qlora=true"], "cuda:0", True),
+        (
+            ["model.name_or_path=m", "distributed.engine=deepspeed", "distributed.zero_stage=2"],
+            "cuda:0",
+            True,
+        ),
+        (["model.name_or_path=m"], "cpu", False),
+        ([], "cuda:0", False),  # the built-in GPT
+        (
+            ["model.name_or_path=m", "distributed.engine=deepspeed", "distributed.zero_stage=3"],
+            "cuda:0",
+            False,
+        ),
+        (["model.name_or_path=m", "train.gradient_checkpointing=true"], "cuda:0", False),
+        (["model.name_or_path=m", "train.compile=true"], "cpu", True),
+        (["model.name_or_path=m", "train.compile=false"], "cuda:0", False),
+    ],
+)
+def test_compile_auto_compiles_a_hugging_face_model_on_a_gpu_where_it_was_measured(sets, device, compiled):
+    from trainer.node.config import load_config
+    from trainer.node.distributed import Topology
+    from trainer.node.train import compile_wanted
+
+    config = load_config(None, sets)
+    assert config.train.compile == ("auto" if not any("compile" in s for s in sets) else config.train.compile)
+    topology = Topology(
+        rank=0, local_rank=0, world_size=1, local_world_size=1, num_nodes=1, node_rank=0,
+        hostname="h", device=device, backend="gloo",
+    )  # fmt: skip
+    assert compile_wanted(config, topology) is compiled
