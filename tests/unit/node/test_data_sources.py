@@ -210,10 +210,6 @@ CONFIG_REFUSED = {
         ["data.datasets=[{path: b.jsonl, weight: 0}]"],
         "data.datasets[0].weight: must be a number",
     ),
-    "credentials in an s3 path": (
-        ["data.path=s3://AKIA:secret@bucket/train.jsonl"],
-        "data.path: holds a credential (user:secret@ or a token parameter); never put one in the config",
-    ),
     "unknown template": (["data.chat_template=vicuna"], "data.chat_template: 'vicuna' is neither a named"),
 }
 
@@ -231,6 +227,24 @@ def test_data_settings_are_checked_before_anything_starts(case, tiny_model, tmp_
     assert code == exitcodes.CONFIG_ERROR, stderr
     assert f"trainer: config error: {expected}" in stderr
     assert "secret@bucket" not in stderr  # the refusal does not echo the credential
+
+
+def test_a_credential_in_an_s3_path_is_refused_in_a_file_and_a_set(tiny_model, tmp_path, capsys):  # noqa: F811
+    config = tmp_path / "s3.yaml"
+    config.write_text(
+        f"model:\n  name_or_path: {tiny_model}\ndata:\n  path: s3://AKIA:secret@bucket/train.jsonl\n"
+    )
+    assert main(["train", "--dry-run", str(config)]) == exitcodes.CONFIG_ERROR
+    stderr = capsys.readouterr().err
+    assert (
+        "trainer: config error: data.path: holds a credential (user:secret@ or a token parameter)" in stderr
+    )
+    assert "secret@bucket" not in stderr  # the refusal does not echo the credential
+    sets = ["--set", "data.path=s3://AKIA:secret@bucket/train.jsonl"]
+    assert main(["train", "--dry-run", str(config), *sets]) == exitcodes.CONFIG_ERROR
+    stderr = capsys.readouterr().err
+    assert "--set data.path=...: a URL with a credential in it on the command line" in stderr
+    assert "secret@bucket" not in stderr
 
 
 def test_the_fingerprint_and_identity_follow_the_content(tiny_model, tmp_path):  # noqa: F811

@@ -106,6 +106,8 @@ class Tokenized:
     """Set when the chats were rendered with another template than the tokenizer's own."""
     format_note: str | None = None
     """What data.format auto chose, and why."""
+    text_note: str | None = None
+    """Set when prompt/completion strings are trained as plain text (no chat template)."""
     weight: float = 1.0
     held_out: Samples | None = None
     """The eval samples drawn from this source (hold_out), before weighting: none of them, by content,
@@ -207,6 +209,12 @@ def tokenize_source(
         _fit(pairs, places, data_format, len(records), max_length, overlong), source, seed, hold_out
     )
     result.template_note, result.format_note = template_note, format_note
+    if any(example.prompt_chars for example in examples):
+        result.text_note = (
+            f"{source.name}: prompt and completion strings are trained as the plain text prompt + "
+            "completion, with no chat template and nothing between them; for a chat, use format alpaca "
+            f"with {source.section}.columns {{instruction: <prompt column>, output: <completion column>}}"
+        )
     return result
 
 

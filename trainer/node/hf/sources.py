@@ -189,7 +189,8 @@ class Loaded:
     """What a source holds: records (a `datasets.Dataset`, columns mapped) or one plain text."""
 
     source: DataSource
-    records: Dataset | None = None
+    records: Dataset | list[dict[str, Any]] | None = None
+    """Records as `datasets` reads them, or as parsed by us where it would change their values."""
     text: str | None = None
 
 
@@ -221,7 +222,47 @@ def read(source: DataSource, endpoint: str = "") -> Loaded:
         raise _file_problem(source, location) or _read_error(source, location, err) from None
     if location.builder == "json" and not source.columns:
         _refuse_wrapper(source, records)
+    if location.builder == "json" and _has_json_feature(records.features):
+        # A field whose values differ in type from record to record (OpenAI's content: a list of parts
+        # in one message, a string in the next) is kept by `datasets` as its Json type, which decodes
+        # the string "4." as the number 4.0: such a file is parsed by us, its values as written.
+        records = _parsed_records(source, location, endpoint) or records
     return Loaded(source, records=_map_columns(records, source))
+
+
+def _has_json_feature(feature: Any) -> bool:
+    """Whether a `datasets` feature (or one nested in it) is its Json type (values of mixed types)."""
+    if type(feature).__name__ == "Json":
+        return True
+    if isinstance(feature, dict):
+        return any(_has_json_feature(value) for value in feature.values())
+    inner = getattr(feature, "feature", None)
+    return inner is not None and inner is not feature and _has_json_feature(inner)
+
+
+def _parsed_records(source: DataSource, location: Location, endpoint: str) -> list[dict[str, Any]] | None:
+    """The records of a JSON or JSON lines source parsed with Python's json; None where we cannot."""
+    if source.remote:
+        import fsspec
+
+        try:
+            with fsspec.open(source.path, "rb", compression="infer", **storage_options(endpoint)) as handle:
+                texts = [handle.read().decode("utf-8")]
+        except Exception:
+            return None
+    else:
+        texts = [_local_text(file) for file in _local_files(source)]
+        if any(text is None for text in texts):
+            return None
+    records: list[dict[str, Any]] = []
+    for text in texts:
+        body = (text or "").lstrip("\ufeff")
+        try:
+            parsed = json.loads(body)
+            records += parsed if isinstance(parsed, list) else [parsed]
+        except json.JSONDecodeError:
+            records += [json.loads(line) for line in body.splitlines() if line.strip()]
+    return records if all(isinstance(record, dict) for record in records) else None
 
 
 @contextlib.contextmanager
@@ -263,9 +304,7 @@ def _file_problem(source: DataSource, location: Location) -> ConfigError | None:
     None where ours finds nothing (the library's own message is then the best there is)."""
     if source.remote or location.kind != "files":
         return None
-    local = Path(source.path).expanduser()
-    files = [local] if local.is_file() else sorted(p for p in local.parent.glob(local.name) if p.is_file())
-    for file in files:
+    for file in _local_files(source):
         text = _local_text(file)
         if text is None:
             continue
@@ -275,6 +314,12 @@ def _file_problem(source: DataSource, location: Location) -> ConfigError | None:
         if location.builder == "json" and (problem := _json_error(file, text)):
             return ConfigError(source.key, problem)
     return None
+
+
+def _local_files(source: DataSource) -> list[Path]:
+    """The local file source.path names, or the files its glob matches."""
+    local = Path(source.path).expanduser()
+    return [local] if local.is_file() else sorted(p for p in local.parent.glob(local.name) if p.is_file())
 
 
 def _local_text(file: Path) -> str | None:
@@ -348,8 +393,11 @@ def _refuse_wrapper(source: DataSource, records: Dataset) -> None:
 def _load(datasets: Any, source: DataSource, location: Location, endpoint: str) -> Dataset:
     options = storage_options(endpoint) if source.remote else None
     if location.kind == "files":
-        extra = {"sep": "\t"} if _suffix(source.path) == ".tsv" else {}
+        extra: dict[str, Any] = {"sep": "\t"} if _suffix(source.path) == ".tsv" else {}
         path = source.path if source.remote else str(Path(source.path).expanduser())
+        if location.builder == "csv" and (names := _csv_header(source, extra.get("sep", ","))):
+            # Every column as text: an answer column of "4." would otherwise be read as the number 4.0.
+            extra["features"] = datasets.Features({name: datasets.Value("string") for name in names})
         return datasets.load_dataset(
             location.builder, data_files=path, split=source.split, storage_options=options, **extra
         )
@@ -368,6 +416,21 @@ def _load(datasets: Any, source: DataSource, location: Location, endpoint: str) 
     if location.kind == "folder":
         return datasets.load_dataset(str(Path(source.path).expanduser()), split=source.split)
     return datasets.load_dataset(source.path, split=source.split)  # a hub id
+
+
+def _csv_header(source: DataSource, sep: str) -> list[str] | None:
+    """The column names of a local, uncompressed CSV (the first file of a glob); None elsewhere."""
+    import csv
+
+    files = [] if source.remote else _local_files(source)
+    if not files or files[0].name.lower().endswith(COMPRESSIONS):
+        return None
+    try:
+        with open(files[0], newline="", encoding="utf-8") as handle:
+            names = next(csv.reader(handle, delimiter=sep), None)
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return None
+    return names if names and len(set(names)) == len(names) and all(names) else None
 
 
 def _read_text(source: DataSource, endpoint: str) -> str:
@@ -426,10 +489,28 @@ def _read_error(source: DataSource, location: Location, err: BaseException) -> C
     return ConfigError(source.key, f"cannot read {source.path} as {what}: {reason}")
 
 
-def _map_columns(records: Dataset, source: DataSource) -> Dataset:
+def _map_columns(records: Any, source: DataSource) -> Any:
     if not source.columns:
         return records
+    if isinstance(records, list):  # parsed by us: each record's fields renamed
+        present = list(dict.fromkeys(name for record in records for name in record))
+        _check_columns_present(source, present)
+        return [
+            {ours: record.get(theirs) for ours, theirs in source.columns.items()}
+            | {name: value for name, value in record.items() if name not in source.columns.values()
+               and name not in source.columns}
+            for record in records
+        ]  # fmt: skip
     present = records.column_names
+    _check_columns_present(source, present)
+    # The mapping says which column is meant: one already called that is the other, unused one.
+    shadowed = [ours for ours in source.columns if ours in present and ours not in source.columns.values()]
+    if shadowed:
+        records = records.remove_columns(shadowed)
+    return records.rename_columns({theirs: ours for ours, theirs in source.columns.items() if ours != theirs})
+
+
+def _check_columns_present(source: DataSource, present: list[str]) -> None:
     for ours, theirs in source.columns.items():
         if theirs not in present:
             raise ConfigError(
@@ -437,11 +518,6 @@ def _map_columns(records: Dataset, source: DataSource) -> Dataset:
                 f"{source.path} has no column {theirs!r} to read as {ours!r} (its columns: "
                 f"{', '.join(present)}); name one of them",
             )
-    # The mapping says which column is meant: one already called that is the other, unused one.
-    shadowed = [ours for ours in source.columns if ours in present and ours not in source.columns.values()]
-    if shadowed:
-        records = records.remove_columns(shadowed)
-    return records.rename_columns({theirs: ours for ours, theirs in source.columns.items() if ours != theirs})
 
 
 # --- fingerprints ---------------------------------------------------------------------------------

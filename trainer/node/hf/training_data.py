@@ -56,7 +56,7 @@ def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
         tokenized = dataset.tokenize_source(
             tokenizer, source, seed=config.train.seed + index, hold_out=hold_out, **settings
         )
-        notes += [note for note in (tokenized.template_note, tokenized.format_note) if note]
+        notes += [n for n in (tokenized.template_note, tokenized.format_note, tokenized.text_note) if n]
         notes.append(tokenized.summary(source.name, max_length, data.overlong))
         parts.append((source, tokenized))
     if len(parts) > 1:
