@@ -116,8 +116,10 @@ def _numbers(records: list[dict[str, Any]], run: Mapping, summary: Mapping) -> l
         tiles.append(("world", f"{topology['world_size']} ranks on {topology.get('num_nodes', '?')} node(s)"))
     if topology.get("engine"):
         tiles.append(("engine", f"{topology['engine']} ({topology.get('device', '?')})"))
-    if summary.get("wall_time_s") is not None:
-        tiles.append(("wall time", f"{fmt(float(summary['wall_time_s']), 3)} s"))
+    if summary.get("run_wall_time_s") is not None:
+        tiles.append(("run wall time", f"{fmt(float(summary['run_wall_time_s']), 3)} s"))
+    if summary.get("wall_time_s") is not None:  # the loop's: written by the loop itself
+        tiles.append(("training loop", f"{fmt(float(summary['wall_time_s']), 3)} s"))
     if "ranks_agree" in summary:
         tiles.append(("ranks agree", "yes" if summary["ranks_agree"] else "NO"))
     return tiles
