@@ -64,42 +64,9 @@ def test_a_script_missing_from_the_working_dir_stops_the_probe_naming_where(tmp_
 
 
 #: What a node running `torchrun train.py` printed when train.py was not in its working directory.
-TORCHRUN_FAILURE = """\
-/opt/clustertrain/venv/bin/python3: can't open file '/srv/shared/train.py': [Errno 2] No such file or directory
-E1127 22:19:03.836000 18616 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 0 (pid: 18628) of binary: /opt/clustertrain/venv/bin/python3
-Traceback (most recent call last):
-  File "/opt/clustertrain/venv/bin/torchrun", line 8, in <module>
-    sys.exit(main())
-             ^^^^^^
-  File "/opt/clustertrain/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
-    return f(*args, **kwargs)
-           ^^^^^^^^^^^^^^^^^^
-  File "/opt/clustertrain/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1028, in main
-    run(args)
-  File "/opt/clustertrain/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1019, in run
-    elastic_launch(
-  File "/opt/clustertrain/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 194, in __call__
-    return launch_agent(
-           ^^^^^^^^^^^^^
-  File "/opt/clustertrain/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
-    raise ChildFailedError(
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-============================================================
-train.py FAILED
-------------------------------------------------------------
-Failures:
-  <NO_OTHER_FAILURES>
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-27_22:19:03
-  host      : gpu-head
-  rank      : 0 (local_rank: 0)
-  exitcode  : 2 (pid: 18628)
-  error_file: <N/A>
-  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
-============================================================
-"""
+TORCHRUN_FAILURE = (
+    Path(__file__).resolve().parents[2] / "data" / "launcher_output" / "torchrun-missing-script.txt"
+).read_text()
 
 
 def test_the_report_leads_with_the_ranks_own_error_not_torchruns_traceback():
@@ -113,10 +80,20 @@ def test_the_report_leads_with_the_ranks_own_error_not_torchruns_traceback():
         render(diagnosis, monitor, view)
     shown = out.getvalue()
     failed = next(line for line in shown.splitlines() if line.startswith("failed: "))
-    assert failed.startswith(
-        "failed: /opt/clustertrain/venv/bin/python3: can't open file '/srv/shared/train.py': [Errno 2] No such"
-    ), shown
+    own = "/opt/clustertrain/venv/bin/python3: can't open file '/srv/shared/train.py': [Errno 2] No such"
+    assert failed.startswith(f"failed: {own}"), shown
     assert "rank 0 on head (node 0), exit code 1" in failed
     # torchrun's own traceback and summary stay in the node log.
     assert "Traceback (most recent call last)" not in shown and "ChildFailedError" not in shown, shown
     assert "Root Cause" not in shown
+
+
+def test_every_nodes_probe_is_given_the_script_to_look_for():
+    from trainer.controller.inventory import load_cluster
+    from trainer.controller.launcher.launch import Launcher
+    from trainer.controller.launcher.plan import make_plan
+
+    command = ("torchrun", "src/train.py", "--lr", "1")
+    plan = make_plan(load_cluster("inventory/local"), None, (), None, "own", command=command)
+    nodes = Launcher(plan).extravars()["launch_nodes"]
+    assert nodes and all(node["check"]["script"] == "src/train.py" for node in nodes.values()), nodes
