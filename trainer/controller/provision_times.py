@@ -1,5 +1,6 @@
 """Where a site.yml run's time went, from its events: each play's wall time, and the node environment's
-phases (roles/trainer_env: its build on the source node, pack, publish, and each node's unpack).
+phases (roles/trainer_env: the source node's start from the controller's kept pack, its build, the
+pack, its publication, each node's unpack, and the controller keeping a new pack).
 
 `trainer up` prints these lines after its provision phase, so a slow first step can be read by phase
 instead of guessed at. The environment's phases come from the role's own tasks: the task file a task
@@ -18,9 +19,12 @@ from typing import Any
 BUILD_FILES = tuple(f"trainer_env/tasks/{name}.yml" for name in ("install", "wheelhouse", "deepspeed_ops"))
 #: roles/trainer_env/tasks/environment.yml's tasks, by name prefix -> phase.
 ENV_TASKS = {
+    "Copy the controller's kept pack to the source node": "seed",
+    "Unpack it, checked against the sha256 the controller kept": "seed",
     "Pack the environment on its source node": "pack",
     "Publish each new pack on the shared dir": "publish",
     "Unpack the environment, checked against": "unpack",
+    "Fetch each new pack from its source node": "keep",
 }
 _RESULT_EVENTS = ("runner_on_ok", "runner_on_failed", "runner_on_skipped", "runner_on_unreachable")
 
@@ -77,7 +81,7 @@ class ProvisionClock:
     def lines(self) -> list[str]:
         """The breakdown, one line each: the plays over a second, then the environment's phases."""
         shown = [f"{seconds:7.1f} s  {play}" for play, seconds in self.play_seconds() if seconds >= 1.0]
-        for phase in ("build", "pack", "publish", "unpack"):
+        for phase in ("seed", "build", "pack", "publish", "unpack", "keep"):
             hosts = self.env.get(phase)
             if not hosts:
                 continue

@@ -102,8 +102,10 @@ def trainer_env_plan(states: dict, head: str, cached: dict | None = None) -> dic
             "source_action": action,
             "hosts": [h for h in members if h in hosts],
             "publish": any(hosts[h]["action"] == "unpack" for h in members if h in hosts),
-            # A new pack the controller does not keep yet (trainer_env_controller_keeps_envs).
-            "keep": action in ("build", "update", "pack", "seed-update") and key not in cached,
+            # A new pack of a stack the controller keeps none of (trainer_env_controller_keeps_envs): one
+            # per stack. Another wheel on a kept stack is not fetched again (a fetch of the pack cost more
+            # than the seed-update it would save): the next cluster installs its wheel into the kept one.
+            "keep": action in ("build", "update", "pack") and not same_base,
         }
     return {"envs": envs, "hosts": hosts}
 

@@ -15,7 +15,7 @@ from trainer.controller.runner import run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 LOCAL_INVENTORY = REPO / "inventory" / "local"
-PACK, _, UNPACK = list(ENV_TASKS)
+_, _, PACK, _, UNPACK, _ = list(ENV_TASKS)
 
 
 def command(name: str, *argv: str, changed: bool = True) -> dict:

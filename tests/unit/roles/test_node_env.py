@@ -227,6 +227,7 @@ def test_a_rebuilt_cluster_starts_from_the_controllers_kept_pack():
     other_wheel = {"old": {"key": "old", "base": "base-k", "sha256": "s", "tree": "t"}}
     updated = plan(fresh, "head", other_wheel)
     assert updated["hosts"]["head"]["action"] == "seed-update" and updated["hosts"]["head"]["seed"] == "old"
-    assert updated["envs"]["k"]["keep"], "the new build is kept in place of the old one"
+    assert not updated["envs"]["k"]["keep"], "one kept pack per stack: the next cluster updates it again"
     other_stack = {"x": {"key": "x", "base": "another", "sha256": "s", "tree": "t"}}
-    assert plan(fresh, "head", other_stack)["hosts"]["head"]["action"] == "build"
+    built = plan(fresh, "head", other_stack)
+    assert built["hosts"]["head"]["action"] == "build" and built["envs"]["k"]["keep"]
