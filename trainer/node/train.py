@@ -101,6 +101,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "train nothing",
     )
     parser.add_argument(
+        "--show-sample",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="with --dry-run and a Hugging Face model: print training sample N rendered with the chat "
+        "template, each run of tokens marked [context] (no loss) or [trained] (repeatable; trainer data)",
+    )
+    parser.add_argument(
         "--help-config",
         action="store_true",
         help="list every config key with its type, default and meaning (and the Hugging Face Trainer "
@@ -197,6 +206,10 @@ def _run(args: argparse.Namespace) -> int:
                 f"# world size {world_size}: {job.num_samples} samples × {repeats} repeats; "
                 f"{note or 'the dataset fills the effective batch'}"
             )
+            for index in args.show_sample:
+                from trainer.node.hf.training_data import show_job_sample
+
+                print(show_job_sample(job, index))
             return exitcodes.OK
     except ConfigError as err:
         _error(f"config error: {err}")

@@ -133,3 +133,13 @@ def test_trainer_data_shows_a_rendered_sample_and_what_is_trained(tiny_model, tm
     assert f"[trained]It is {number + 1}.<|im_end|>" in shown, shown
     assert main(["data", "--show-sample", "99", *sets]) == exitcodes.CONFIG_ERROR
     assert "--show-sample: 99 is not a training sample: there are 40 (0 to 39)" in capsys.readouterr().err
+
+
+def test_a_dry_run_shows_a_sample_too(tiny_model, tmp_path, capsys):  # noqa: F811
+    data = records_file(tmp_path / "alpaca.jsonl", ALPACA)
+    sets = ["--set", f"model.name_or_path={tiny_model}", "--set", f"data.path={data}"]
+    assert main(["train", "--dry-run", "--show-sample", "0", *sets]) == exitcodes.OK
+    out = capsys.readouterr().out
+    assert "# sample 0 of 40" in out and "[trained]It is 1.<|im_end|>" in out, out
+    assert main(["train", "--dry-run", "--show-sample", "0"]) == exitcodes.CONFIG_ERROR
+    assert "--show-sample: shows a fine-tune's samples" in capsys.readouterr().err

@@ -140,6 +140,19 @@ def build_training_data(config: TrainerConfig, tokenizer: Any) -> TrainingData:
     )
 
 
+def show_job_sample(job: Any, index: int) -> str:
+    """show_sample for a prepared job (`trainer train --dry-run --show-sample N`): a fine-tune's
+    samples; ConfigError for the built-in GPT, whose samples are plain characters."""
+    samples = getattr(job, "train", None)
+    if getattr(job, "tokenizer", None) is None or not isinstance(samples, dataset.Samples):
+        raise ConfigError(
+            "--show-sample",
+            "shows a fine-tune's samples (model.name_or_path set); the built-in tiny GPT trains on "
+            "data.block_size characters of the text, every one",
+        )
+    return show_sample(TrainingData(train=samples, eval=None, rows=job.rows), job.tokenizer, index)
+
+
 def show_sample(data: TrainingData, tokenizer: Any, index: int) -> str:
     """Training sample `index` (0-based, in the order prepared) as the model sees it: its text decoded
     token by token, each run marked [context] (no loss) or [trained] (the tokens that carry loss)."""
