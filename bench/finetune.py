@@ -17,6 +17,7 @@ change is measured before and after under the same load.
     git worktree add /tmp/before HEAD~1 && python bench/finetune.py --lora --baseline /tmp/before
     python bench/finetune.py --lora --each-off     # also the trainer with each speed-up off in turn
                                                    # (trainer/node/speedups.py), and with all off
+    python bench/finetune.py --each-off all        # also the trainer with every speed-up off
 
 On a GPU it also prints MFU: 6 × parameters × tokens/s over the GPU's peak bf16 dense FLOP/s
 (--peak-tflops, default 989 for an H100 SXM); attention's own FLOPs are left out, as usual.
@@ -239,8 +240,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--each-off",
-        action="store_true",
-        help="in each round, also the trainer with each speed-up off alone and with all off",
+        nargs="?",
+        const="each",
+        metavar="NAMES",
+        help="in each round, also the trainer with each speed-up off alone and with all off; or with "
+        "the comma-separated NAMES off in turn (`all`: every one at once)",
     )
     parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -256,7 +260,8 @@ def main() -> None:
         ratios, ours, theirs, baseline_ratios = [], [], [], []
         from trainer.node.speedups import SPEEDUPS
 
-        each_off = [*SPEEDUPS, "all"] if args.each_off else []
+        each_off = [*SPEEDUPS, "all"] if args.each_off == "each" else (args.each_off or "").split(",")
+        each_off = [name for name in each_off if name]
         off_ratios: dict[str, list[float]] = {name: [] for name in each_off}
         for round_index in range(args.rounds):
             order = ("trainer", "hf") if round_index % 4 in (0, 3) else ("hf", "trainer")
