@@ -342,22 +342,35 @@ def _one_error(unknown: list[ConfigError], tree: dict[str, Any], source: Path) -
 def _loadable(block: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The block less each value this trainer refuses (each said), so that it loads as it stands."""
     refused: list[str] = []
-    for _ in range(20):
+    for _ in range(50):
         try:
             _build(TrainerConfig, block, "")
         except ConfigError as err:
-            section, _, name = err.key.rpartition(".")
-            node = block.get(section, {}) if section else block
-            if not isinstance(node, dict) or name not in node:
-                refused.append(f"{err}")
+            refused.append(str(err))
+            if not _drop(block, err.key):
                 return {}, refused
-            refused.append(f"{err}")
-            del node[name]
-            if section and not node:
-                del block[section]
             continue
         return block, refused
     return {}, refused
+
+
+def _drop(block: dict[str, Any], key: str) -> bool:
+    """Remove `key` (dotted; a list entry's key, `data.datasets[0].format`, removes the list) from the
+    block and any section it leaves empty; False when there is no such key."""
+    parts = key.split("[", 1)[0].split(".") if key else []
+    nodes = [block]
+    for part in parts[:-1]:
+        child = nodes[-1].get(part)
+        if not isinstance(child, dict):
+            return False
+        nodes.append(child)
+    if not parts or parts[-1] not in nodes[-1]:
+        return False
+    del nodes[-1][parts[-1]]
+    for parent, part, node in reversed(list(zip(nodes[:-1], parts[:-1], nodes[1:], strict=True))):
+        if not node:
+            del parent[part]
+    return True
 
 
 def _build(cls: type, values: Any, prefix: str) -> Any:
