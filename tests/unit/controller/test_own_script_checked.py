@@ -97,3 +97,22 @@ def test_every_nodes_probe_is_given_the_script_to_look_for():
     plan = make_plan(load_cluster("inventory/local"), None, (), None, "own", command=command)
     nodes = Launcher(plan).extravars()["launch_nodes"]
     assert nodes and all(node["check"]["script"] == "src/train.py" for node in nodes.values()), nodes
+
+
+def test_accelerates_traceback_is_kept_off_the_screen_and_the_scripts_own_stays():
+    from trainer.controller.launcher.rank_output import RankOutput
+
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "/srv/shared/code/train.py", line 3, in <module>',
+        "    raise ValueError('no data')",
+        "ValueError: no data",
+        "Traceback (most recent call last):",
+        '  File "/opt/clustertrain/venv/bin/accelerate", line 8, in <module>',
+        "    sys.exit(main())",
+        "subprocess.CalledProcessError: Command '['python3', 'train.py']' returned non-zero exit status 1.",
+    ]
+    output = RankOutput()
+    shown = [kept for line in lines for kept in output.feed(line)]
+    assert shown == [*lines[:4], "(the launcher's traceback, 4 lines: in this node's log)"]
+    assert output.own_error == "ValueError: no data"

@@ -56,8 +56,12 @@ class RankOutput:
             return [*self._shown(held), *self.feed(line)]
         if self._state == "traceback":
             self.hidden += 1
-            if LAUNCHER_EXCEPTION.match(line):
-                self._state = "after"
+            if match := LAUNCHER_EXCEPTION.match(line):
+                if "ChildFailedError" in match.group(1):
+                    self._state = "after"  # torchrun's failure summary follows
+                    return []
+                self._state = "out"
+                return [f"(the launcher's traceback, {self.hidden} lines: in this node's log)"]
             return []
         if self._state == "after":
             if RULE.match(line):
