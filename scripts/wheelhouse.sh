@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds an offline wheelhouse of the nodes' training stack: torch (the CPU or the CUDA build) and
-# everything in the project's `train` extra, for the nodes' Python version and platform. The
-# trainer_env role copies it to every node (training_wheelhouse) and installs with --no-index, so
+# Builds an offline wheelhouse of the nodes' training stack: torch (the CPU or the CUDA build),
+# everything in the project's `train` extra and uv (the installer of the nodes' build), for the
+# nodes' Python version and platform. The
+# trainer_env role copies it to the node that builds (training_wheelhouse) and installs with --no-index, so
 # nodes without internet get the same wheels everywhere. The project itself is not in it: the role
 # builds this checkout's wheel on the controller (scripts/build-node-wheel.py) and copies that.
 #
@@ -30,7 +31,7 @@ while [ $# -gt 0 ]; do
     --torch-wheel) torch_wheel="${2:?}"; shift 2 ;;
     --python-version) py_version="${2:?}"; shift 2 ;;
     --platform) platform="${2:?}"; shift 2 ;;
-    -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) dir="$1"; shift ;;
   esac
@@ -87,13 +88,13 @@ if [ "$cross" = 0 ]; then
   # Same Python as the nodes: pip wheel downloads binary wheels and builds the sdist-only ones
   # (deepspeed is pure Python). The torch wheel is named on the command line, so its own pin
   # satisfies `torch>=...` in the list and pip never looks for torch elsewhere.
-  "${pip[@]}" wheel -w "$dir" --find-links "$dir" "${torch_args[@]}" -r "$requirements" 2> >(quiet_links)
+  "${pip[@]}" wheel -w "$dir" --find-links "$dir" "${torch_args[@]}" -r "$requirements" uv 2> >(quiet_links)
 else
   # Another Python or platform: binary wheels for the nodes' tags; sdist-only pure-Python packages
   # are built here first (their wheels are py3-none-any).
   grep -E '^deepspeed' "$requirements" | xargs -r "${pip[@]}" wheel --no-deps -w "$dir" 2> >(quiet_links)
   "${pip[@]}" download -d "$dir" --find-links "$dir" --only-binary=:all: --implementation cp \
-    --python-version "$py_version" --platform "$platform" "${torch_args[@]}" -r "$requirements" 2> >(quiet_links)
+    --python-version "$py_version" --platform "$platform" "${torch_args[@]}" -r "$requirements" uv 2> >(quiet_links)
 fi
 cp "$requirements" "$dir/node-requirements.txt"
 echo "$recipe" >"$dir/.recipe"

@@ -41,4 +41,6 @@ def test_a_malformed_exit_record_is_noted_and_the_node_exit_is_the_cause(record)
         render(diagnosis, monitor, view)
     shown = out.getvalue()
     assert "w1 (node 1) exited with code 3" in shown, shown
-    assert "ignored a malformed exit record of w1" in shown and "ignored a malformed error file of w1" in shown
+    assert (
+        "ignored a malformed exit record of w1" in shown and "ignored a malformed error file of w1" in shown
+    )

@@ -10,7 +10,9 @@ from rich.console import Console
 
 from trainer.controller.launcher.live import LiveView, node_text
 
-HOSTILE = "/tmp/build.lock [/red] [link=https://evil.example/]here[/link] \x1b]8;;https://evil.example/\x1b\\x"
+HOSTILE = (
+    "/tmp/build.lock [/red] [link=https://evil.example/]here[/link] \x1b]8;;https://evil.example/\x1b\\x"
+)
 
 
 def shown(text: str, terminal: bool) -> str:
