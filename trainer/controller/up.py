@@ -197,14 +197,22 @@ def summary(results: list[PhaseResult], total: float) -> None:
 
 
 def site_playbook() -> Path:
-    """This checkout's site.yml (the package's own checkout, else the current directory's)."""
-    for root in (Path(trainer.__file__).resolve().parents[1], Path.cwd()):
-        if (root / "site.yml").is_file() and (root / "roles").is_dir():
-            return root / "site.yml"
+    """The site.yml of the clustertrain checkout this trainer package is part of, and no other.
+
+    Never the working directory's: run inside another Ansible project (or a directory someone else
+    prepared), `up` would apply that project's playbook as root to every node. A package installed
+    from a wheel has no checkout beside it, and is refused with the fix."""
+    root = Path(trainer.__file__).resolve().parents[1]
+    if all(
+        (root / part).exists()
+        for part in ("site.yml", "playbooks/site.yml", "roles/trainer_env", "pyproject.toml")
+    ):
+        return root / "site.yml"
     raise InventoryError(
-        "trainer up provisions with the clustertrain checkout's site.yml, and none was found next to "
-        "this trainer package or in the current directory; fix: run it from the checkout, or give "
-        "--from preflight on a cluster already provisioned"
+        f"trainer up provisions with the site.yml of the clustertrain checkout its package is part of, and "
+        f"this trainer package ({root / 'trainer'}) is not in one (a wheel install); the current "
+        "directory's site.yml is never used. Fix: install the trainer from its checkout (`make install` "
+        "there, or `pip install -e CHECKOUT`), or give --from preflight on a cluster already provisioned"
     )
 
 
