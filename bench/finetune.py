@@ -80,10 +80,12 @@ def trainer_run(args: argparse.Namespace, workdir: str, repo: Path = REPO, off: 
     sets = [*overrides(args), f"output_dir={out}"]
     previous = os.environ.get("TRAINER_SPEEDUPS_OFF")
     os.environ["TRAINER_SPEEDUPS_OFF"] = off
+    started = time.perf_counter()
     try:
         torchrun(
             args.nproc, ["-m", "trainer", "train", *[a for s in sets for a in ("--set", s)]], workdir, repo
         )
+        wall = time.perf_counter() - started
     finally:
         os.environ.pop("TRAINER_SPEEDUPS_OFF")
         if previous is not None:
@@ -94,6 +96,7 @@ def trainer_run(args: argparse.Namespace, workdir: str, repo: Path = REPO, off: 
     return {
         "tokens_per_s": sum(r["tokens"] for r in steady) / seconds,
         "loss": statistics.mean(r["loss"] for r in records[-LAST:]),
+        "wall_s": wall,
     }
 
 
@@ -101,13 +104,14 @@ def hf_run(args: argparse.Namespace, workdir: str) -> dict:
     extra = ["--gradient-checkpointing"] if args.gradient_checkpointing else []
     extra += ["--lora"] if args.lora else []
     extra += ["--packing"] if args.packing else []
+    started = time.perf_counter()
     done = torchrun(
         args.nproc,
         [__file__, "--hf-worker", "--model", args.model, "--data", args.data, "--steps", str(args.steps),
          "--micro-batch", str(args.micro_batch), "--max-length", str(args.max_length), *extra],
         workdir,
     )  # fmt: skip
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": time.perf_counter() - started}
 
 
 def hf_worker(args: argparse.Namespace) -> None:
@@ -295,7 +299,8 @@ def main() -> None:
                 f"round {round_index + 1} ({' then '.join(order)}): "
                 f"trainer {mine['tokens_per_s']:,.0f} tok/s, "
                 f"HF Trainer {hf['tokens_per_s']:,.0f} tok/s, ratio {ratio:.3f}{before}; "
-                f"loss (last {LAST} steps) {mine['loss']:.4f} vs {hf['loss']:.4f}",
+                f"loss (last {LAST} steps) {mine['loss']:.4f} vs {hf['loss']:.4f}; "
+                f"process wall {mine['wall_s']:.1f} s vs {hf['wall_s']:.1f} s",
                 flush=True,
             )
         mean = statistics.geometric_mean
@@ -308,7 +313,10 @@ def main() -> None:
             f"throughput ratio trainer / HF Trainer: {mean(ratios):.3f} (geometric mean of {len(ratios)} "
             f"rounds; min {min(ratios):.3f}, max {max(ratios):.3f}; goal >= 1.0)\n"
             f"final loss (mean of the last {LAST} steps): trainer {loss_ours:.4f}, "
-            f"HF Trainer {loss_theirs:.4f}"
+            f"HF Trainer {loss_theirs:.4f}\n"
+            f"torchrun's wall, start-up and every step (median): trainer "
+            f"{statistics.median(r['wall_s'] for r in ours):.1f} s, HF Trainer "
+            f"{statistics.median(r['wall_s'] for r in theirs):.1f} s"
         )
         for name, values in off_ratios.items():
             print(
