@@ -207,8 +207,7 @@ if [ "$SPEEDUPS" != 0 ] && [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
   [ "$SPEEDUPS" = done ] || variants zero2_after "$(plan "$(v zero2_after "" "${ZERO2[@]}")")"
   [ "$SPEEDUPS" = done ] || variants each "$(plan "$(v full_compile "" train.compile=true)" "$(v full__chunked_loss_off chunked_loss)" \
     "$(v full__async_loss_off async_loss)" "$(v full__fused_adamw_off fused_adamw)" \
-    "$(v lora__lora_fused_off lora_fused "${LORA[@]}")" "$(v lora_dropout0 "" "${LORA[@]}" lora.dropout=0)" \
-    "$(v full__gc_freeze_off gc_freeze)" "$(v lora_compile "" "${LORA[@]}" train.compile=true)")"
+    "$(v lora_dropout0 "" "${LORA[@]}" lora.dropout=0)" "$(v lora_compile "" "${LORA[@]}" train.compile=true)")"
   [ "$SPEEDUPS" = done ] || timeout 60 "$PY" bench/gpu_check.py variants-summary "$WORK" "$OUT" |
     tee "$OUT/speedups_summary.txt"
 elif [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then

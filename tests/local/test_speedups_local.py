@@ -1,7 +1,7 @@
 """`trainer train` with every speed-up of issue 41 on (the default) and off (TRAINER_SPEEDUPS_OFF=all):
 a LoRA fine-tuning of the tiny Qwen2 on one CPU process logs the same losses either way (fused AdamW,
-no sync in the step, gc.freeze, the CPU's labelled-only head, the fused LoRA layers), and the run with
-them off says so in its log. tests/unit/node/test_speedups.py switches each one alone."""
+no sync in the step, the CPU's labelled-only head), and the run with them off says so in its log.
+tests/unit/node/test_speedups.py switches each one alone."""
 
 from __future__ import annotations
 

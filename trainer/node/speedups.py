@@ -1,8 +1,10 @@
 """The trainer's speed-ups (issue 41): one entry each, all on by default, each switched off by name for
 a measurement or a workaround: TRAINER_SPEEDUPS_OFF=name[,name...] (or `all`) in the training
 processes' environment. None changes what is trained: with one off, the loss agrees with it on within
-rounding (tests/local/test_speedups.py switches each one). Read where each is used, so a process that
-trains several times (a bench) can switch them between runs.
+rounding (tests/unit/node/test_speedups.py switches each one, tests/local/test_speedups_local.py all
+of them). Read when the model and the loop are built, so a process that trains several times (a
+bench) can switch them between runs. Kept where a measurement supported them (docs/performance.md,
+2026-11-27); a fused LoRA forward and gc.freeze after start-up were measured and dropped.
 
 A leaf module: no torch, no other trainer module (but the shared ConfigError).
 """
@@ -22,15 +24,10 @@ SPEEDUPS: dict[str, str] = {
     "of small ones",
     "async_loss": "no host-device synchronisation in a step: the loss stays on the device and is read "
     "on logged steps only; the per-step stop vote (the GPU health check) is read one step late on GPUs",
-    "gc_freeze": "Python's garbage collector freezes what start-up made (the model, the data index), so "
-    "no collection walks it during the steps",
     "chunked_loss": "the output head and the cross-entropy of a Hugging Face model run over chunks of "
     "tokens where a micro batch has more than 2^30 logits (tokens x vocabulary), each chunk's logits "
     "recomputed in the backward pass, so they are never held whole; on the CPU only the labelled "
     "positions go through the head",
-    "lora_fused": "a LoRA layer (peft) computes base(x) + (dropout(x) @ A^T) @ (scale * B)^T with the "
-    "scale folded into the small matrix B and the sum made by the second matmul (addmm), instead of "
-    "separate passes over the layer's output for the scale and the sum; no dropout call at dropout 0",
 }
 
 

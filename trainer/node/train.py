@@ -347,12 +347,6 @@ def train(
             on_step_start=progress.started,
             on_step_end=progress.step_done,
         )
-        if speedups.enabled("gc_freeze"):
-            # Start-up's objects (torch, transformers, the model, the data index) are never garbage:
-            # frozen, no collection during the steps walks them. Unfrozen in `finally` (a process
-            # that trains again, a test or a bench, gets them collected).
-            gc.collect()
-            gc.freeze()
         code = trainer.train()
         _note_gpu_fault(code, health)
         if code == exitcodes.OK:
@@ -375,7 +369,6 @@ def train(
         # thread while holding the GIL that thread waited for: a finished rank hung at exit (seen
         # with gdb, 2 of 12 runs on a loaded machine) until the launcher's stall timeout.
         trainer = None
-        gc.unfreeze()
         gc.collect()
         distributed.shutdown(clean)
         if job_lock is not None:  # after the last write of every rank (a clean shutdown waits for them)

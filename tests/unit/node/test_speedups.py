@@ -1,12 +1,9 @@
 """Issue 41's speed-ups, each switched on and off (TRAINER_SPEEDUPS_OFF) on the tiny Qwen2: what is
 trained does not change. The chunked loss gives the model's own loss and gradients (over several
-chunks), the fused LoRA layer peft's output and gradients (with dropout too, same seed), the fused
-AdamW the default AdamW's step. tests/local/test_speedups_local.py runs `trainer train` with all of
-them on and off."""
+chunks), the fused AdamW the default AdamW's step; train.compile=auto compiles where it was measured
+to help. tests/local/test_speedups_local.py runs `trainer train` with all of them on and off."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -16,7 +13,6 @@ from trainer.configerror import ConfigError
 from trainer.node import speedups
 from trainer.node.hf import model as hf_model
 from trainer.node.hf.chat import IGNORE
-from trainer.node.hf.lora import LoraConfig, apply_lora
 from trainer.node.hf.model import CausalLMLoss
 from trainer.node.optim import build_optimizer
 from trainer.node.schedule import TrainConfig
@@ -69,31 +65,6 @@ def test_chunked_loss_is_the_models_own_loss_and_gradients(qwen2, monkeypatch):
     assert_same(loss_and_grads(own, inputs), loss_and_grads(chunked, inputs))
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_fused_lora_layers_give_pefts_output_and_gradients(qwen2, dropout, monkeypatch):
-    config = LoraConfig(enabled=True, r=4, alpha=8, dropout=dropout)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-    def adapted(off: str) -> torch.nn.Module:
-        monkeypatch.setenv(speedups.VARIABLE, off)
-        torch.manual_seed(1)  # the same adapters
-        model = apply_lora(copy.deepcopy(qwen2), config, targets, gradient_checkpointing=False)
-        for name, param in model.named_parameters():
-            if "lora_B" in name:  # peft starts B at zero: the adapters would add nothing
-                torch.nn.init.normal_(param, std=0.2)
-        return CausalLMLoss(model)
-
-    peft_own, fused = adapted("lora_fused"), adapted("")
-    fused_layers = [m for m in fused.modules() if "forward" in vars(m)]
-    assert len(fused_layers) == 2 * len(targets), "every adapted projection of both layers is fused"
-    assert not any("forward" in vars(m) for m in peft_own.modules())
-    inputs = batch(qwen2.config.vocab_size)
-    torch.manual_seed(2)
-    expected = loss_and_grads(peft_own, inputs)
-    torch.manual_seed(2)  # the same dropout masks, drawn in the same order
-    assert_same(expected, loss_and_grads(fused, inputs))
-
-
 def test_fused_adamw_steps_as_the_default_adamw_does(monkeypatch):
     config = TrainConfig(learning_rate=0.01, weight_decay=0.1)
     trained = []
@@ -117,7 +88,7 @@ def test_an_unknown_speedup_name_is_refused_with_the_known_ones(monkeypatch):
     with pytest.raises(ConfigError, match="unknown speed-up chunked_los; known: fused_adamw"):
         speedups.describe()
     monkeypatch.setenv(speedups.VARIABLE, "all")
-    assert speedups.describe().endswith("fused_adamw, async_loss, gc_freeze, chunked_loss, lora_fused")
+    assert speedups.describe().endswith("fused_adamw, async_loss, chunked_loss")
 
 
 @pytest.mark.parametrize(

@@ -103,67 +103,7 @@ def apply_lora(
         target_modules=target_modules,
         task_type="CAUSAL_LM",
     )
-    model = peft.get_peft_model(model, lora)
-    from trainer.node import speedups
-
-    if speedups.enabled("lora_fused"):
-        fuse_lora_layers(model)
-    return model
-
-
-def fuse_lora_layers(model: torch.nn.Module) -> int:
-    """Give each peft LoRA layer the fused forward below (used while the layer is in the plain state it
-    handles; else peft's own). Returns how many layers got it."""
-    import types
-
-    import torch
-
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return 0
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LoraLayer) and isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict):
-            module.forward = types.MethodType(_fused_lora_forward, module)
-            count += 1
-    return count
-
-
-def _fused_lora_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """base(x) + dropout(x) @ A^T @ (scaling * B)^T: the scale folded into B (r columns), the sum made
-    by the second matmul (addmm), dropout skipped where it is the identity (dropout 0). peft's own
-    forward for anything else: several or no active adapters, merged or disabled adapters, a variant
-    (DoRA), extra arguments, or dtypes that only autocast reconciles."""
-    import torch
-
-    active = self.active_adapters
-    name = active[0] if len(active) == 1 else None
-    plain = (
-        name is not None
-        and not args
-        and not kwargs
-        and not self.disable_adapters
-        and not self.merged
-        and name in self.lora_A
-        and name not in getattr(self, "lora_variant", {})
-    )
-    if not plain:
-        return type(self).forward(self, x, *args, **kwargs)
-    lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
-    base_weight = getattr(self.base_layer, "weight", None)
-    same_dtype = base_weight is not None and x.dtype == lora_a.dtype == base_weight.dtype
-    if not (same_dtype or torch.is_autocast_enabled(x.device.type)):
-        return type(self).forward(self, x)
-    result = self.base_layer(x)
-    dropout = self.lora_dropout[name]
-    if not isinstance(dropout, torch.nn.Identity):
-        x = dropout(x)
-    low = torch.nn.functional.linear(x, lora_a)
-    up = lora_b * self.scaling[name]
-    out = result.shape[-1]
-    fused = torch.addmm(result.reshape(-1, out), low.reshape(-1, low.shape[-1]), up.t())
-    return fused.view(result.shape).to(result.dtype)
+    return peft.get_peft_model(model, lora)
 
 
 def keep_adapter_inputs_in_compute_dtype(model: torch.nn.Module) -> int:
