@@ -65,7 +65,7 @@ def recap_entries(text: str) -> list[tuple[str, float]]:
 
 def summary(entries: list[tuple[str, float]]) -> list[str]:
     # profile_roles also lists tasks outside roles by module name (ansible.builtin.set_fact ...).
-    roles = {name: seconds for name, seconds in entries if " " not in name and "." not in name and name != "total"}
+    roles = {name: took for name, took in entries if not {" ", "."} & set(name) and name != "total"}
     phases: dict[str, float] = {}
     for name, seconds in entries:
         role, _, task = name.partition(" : ")
