@@ -104,9 +104,14 @@ def start_run(
     nproc: int = 2,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
+    config: Path | None = None,
 ) -> subprocess.Popen:
-    """Start a training job in its own process group (so a test can kill the launcher and all workers)."""
-    command = launch_command(launcher, nproc, free_port(), sets(f"output_dir={output_dir}", *overrides))
+    """Start a training job in its own process group (so a test can kill the launcher and all workers).
+    `config`: a --config file (where secrets go: `trainer train` refuses them in --set)."""
+    trainer_args = (["--config", str(config)] if config else []) + sets(
+        f"output_dir={output_dir}", *overrides
+    )
+    command = launch_command(launcher, nproc, free_port(), trainer_args)
     # Output goes to files, not pipes: a test that polls the output dir never blocks a full pipe.
     logs = _log_paths(output_dir)
     with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:

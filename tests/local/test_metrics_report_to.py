@@ -29,6 +29,9 @@ def tracked_run(tmp_path_factory):
     from helpers.trainer_harness import finish, start_run
 
     output_dir = tmp_path_factory.mktemp("report_to") / "run"
+    # A secret, never sent to a tracker; in a --config file (a node refuses it in --set).
+    webhook_config = output_dir.parent / "webhook.yaml"
+    webhook_config.write_text(f"health:\n  webhook_url: http://127.0.0.1:9/{SECRET}\n")
     run = finish(
         start_run(
             output_dir,
@@ -36,9 +39,9 @@ def tracked_run(tmp_path_factory):
                 *STEPS,
                 "metrics.report_to=tensorboard,wandb,mlflow",
                 "metrics.project=tracked",
-                f"health.webhook_url=http://127.0.0.1:9/{SECRET}",  # a secret: never sent to a tracker
             ],
             env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": ""},
+            config=webhook_config,
         ),
         output_dir,
     )
@@ -192,9 +195,11 @@ def test_a_missing_tracker_package_is_refused_by_name_before_anything_is_created
 
 
 def test_a_tracking_uri_with_a_password_is_refused_without_echoing_it(tmp_path):
+    # In a --config file: on the command line `trainer train` refuses any credential before reading it.
+    config = tmp_path / "tracking.yaml"
+    config.write_text("metrics:\n  tracking_uri: http://bob:hunter2@127.0.0.1:5000\n")
     run = subprocess.run(
-        [TRAINER, "train", "--dry-run",
-         *sets(f"output_dir={tmp_path}", "metrics.tracking_uri=http://bob:hunter2@127.0.0.1:5000")],
+        [TRAINER, "train", "--dry-run", "--config", str(config), *sets(f"output_dir={tmp_path / 'out'}")],
         capture_output=True, text=True, env=trainer_env(), timeout=120,
     )  # fmt: skip
     assert run.returncode == 2

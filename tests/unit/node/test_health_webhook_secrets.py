@@ -8,9 +8,12 @@ import json
 import logging
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
+import yaml
 from helpers.health_webhook_server import WebhookServer
 
 from trainer import exitcodes
@@ -22,14 +25,23 @@ SECRET = "s3cr3t-token-do-not-log"
 
 
 def dry_run(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    sets = [arg for pair in overrides for arg in ("--set", pair)]
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", "train", "--dry-run", *sets],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    """`trainer train --dry-run` with these settings; the webhook's URL goes into a --config file, as a
+    user's would (`trainer train` refuses it in --set, where it would show in `ps`)."""
+    url = [item for item in overrides if item.startswith("health.webhook_url=")]
+    sets = [arg for pair in overrides if pair not in url for arg in ("--set", pair)]
+    with tempfile.TemporaryDirectory() as scratch:
+        config = []
+        if url:
+            path = Path(scratch) / "webhook.yaml"
+            path.write_text(yaml.safe_dump({"health": {"webhook_url": url[0].partition("=")[2]}}))
+            config = ["--config", str(path)]
+        return subprocess.run(
+            [sys.executable, "-m", "trainer", "train", "--dry-run", *config, *sets],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
 
 
 @pytest.mark.parametrize(
