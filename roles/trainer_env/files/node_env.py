@@ -39,8 +39,8 @@ from pathlib import Path
 
 RECORD = "installed.json"
 #: The pack's layout and how its venv is built; a new one is a new key (trainer_env's key has it).
-#: 2: the stack installed with uv compiles its bytecode (1 had none where uv installed it).
-FORMAT = 2
+#: 3: the build compiles the venv's bytecode (1 and 2 had none where uv installed the stack).
+FORMAT = 3
 #: CPU features DeepSpeed's CPU op builders compile for (their -march/-D__AVX512__ choices): nodes
 #: that differ in these must not share a build of the ops.
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
