@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.safe_files import write_file
+from trainer.safe_files import umask_mode, write_file
 
 LOCK_FILE = "job.lock"
 #: How often a holder refreshes its lock's mtime (trainer train's thread, the batch script's loop).
@@ -174,7 +174,7 @@ class JobLock:
         directory.mkdir(parents=True, exist_ok=True)
         candidate = directory / f".{LOCK_FILE}.{self.token}"
         aside = directory / f".{LOCK_FILE}.stale.{self.token}"
-        write_file(candidate, json.dumps(self.holder()) + "\n")  # never through a planted link
+        write_file(candidate, json.dumps(self.holder()) + "\n", umask_mode())  # never through a planted link
         try:
             # A few rounds: each one that fails lost a race to another taker, who is then read anew.
             for _ in range(5):

@@ -43,6 +43,15 @@ def write_file(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, tm
         raise
 
 
+def umask_mode(base: int = 0o666) -> int:
+    """`base` less this process's umask: the mode a plain open() would have given. The trainer runs under
+    umask 027 (a run's files are the training account's and its group's only), which write_file's
+    explicit mode would otherwise override."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return base & ~mask
+
+
 def read_bytes(path: Path) -> bytes:
     """The bytes of the regular file `path`; OSError for a link (ELOOP) or anything not a regular file."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from trainer.configerror import ConfigError, require
 from trainer.redaction import redact_urls
-from trainer.safe_files import write_file
+from trainer.safe_files import umask_mode, write_file
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -266,7 +266,8 @@ class Reporter:
     def write_json(self, name: str, data: dict[str, Any]) -> None:
         if self.enabled:
             # NAME.tmp: the name trainer.node.checkpoint.layout knows as an incomplete write.
-            write_file(self.output_dir / name, json.dumps(data, indent=2) + "\n", tmp_name=f"{name}.tmp")
+            text = json.dumps(data, indent=2) + "\n"
+            write_file(self.output_dir / name, text, umask_mode(), tmp_name=f"{name}.tmp")
 
     def start(self, first_step: int, resumed_step: int) -> None:
         """Open metrics.jsonl: a resumed run keeps the lines up to its checkpoint, a fresh run starts empty;

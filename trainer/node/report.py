@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import exitcodes
 from trainer.node.report_html import HTML_FILE, write_html
-from trainer.safe_files import read_text, write_file
+from trainer.safe_files import read_text, umask_mode, write_file
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -129,7 +129,7 @@ def write_report(run_dir: Path) -> list[Path]:
         path = run_dir / curve.file
         png = io.BytesIO()
         fig.savefig(png, format="png")
-        write_file(path, png.getvalue())
+        write_file(path, png.getvalue(), umask_mode())
         written.append(path)
         pictures.append((curve.file, curve.title))
         described[curve.file] = {
@@ -145,7 +145,9 @@ def write_report(run_dir: Path) -> list[Path]:
             },
         }
     write_file(
-        run_dir / REPORT_FILE, json.dumps({"records": len(records), "pictures": described}, indent=2) + "\n"
+        run_dir / REPORT_FILE,
+        json.dumps({"records": len(records), "pictures": described}, indent=2) + "\n",
+        umask_mode(),
     )
     if records:
         # Not in the list returned (the pictures): `trainer report` and the run's last lines name it.

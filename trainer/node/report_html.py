@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.safe_files import read_bytes, read_text, write_file
+from trainer.safe_files import read_bytes, read_text, umask_mode, write_file
 
 HTML_FILE = "report.html"
 RUN_FILE = "run.json"
@@ -288,5 +288,5 @@ def render(run_dir: Path, records: list[dict[str, Any]], pictures: Sequence[tupl
 def write_html(run_dir: Path, records: list[dict[str, Any]], pictures: Sequence[tuple[str, str]]) -> Path:
     """Write run_dir/report.html (whole or not at all: a reader never sees half a page)."""
     path = run_dir / HTML_FILE
-    write_file(path, render(run_dir, records, pictures))
+    write_file(path, render(run_dir, records, pictures), umask_mode())
     return path
