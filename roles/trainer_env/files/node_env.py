@@ -113,10 +113,12 @@ def read_record(envs: Path) -> dict | None:
         return None
 
 
-def state(args) -> dict:
+def state(args, tree: str | None = None) -> dict:
+    """The node's state; `tree`: the venv's digest when the caller has just read it (a walk of the
+    whole venv, not to be done twice)."""
     venv, ops, envs = Path(args.venv), Path(args.ops), Path(args.envs)
     record = read_record(envs)
-    tree = tree_digest(venv)
+    tree = tree or tree_digest(venv)
     built, ops_ok = ops_state(ops)
     pack = envs / f"{record['key']}.tar.zst" if record else None
     site = sorted(glob.glob(str(venv / "lib" / "python3*" / "site-packages")))
@@ -194,14 +196,14 @@ def pack(args) -> dict:
         "base": args.base,
         "sha256": sha256_of(target),
         "size": target.stat().st_size,
-        "tree": tree_digest(venv),
+        "tree": (tree := tree_digest(venv)),
         "members": members,
         "how": "built here" if args.built else "packed here",
         "pack_s": round(packed_s, 1),
     }
     write_record(envs, record)
     drop_other_packs(envs, args.key)
-    return {"changed": True, "did": "pack", "seconds": {"pack": round(packed_s, 1)}, **state(args)}
+    return {"changed": True, "did": "pack", "seconds": {"pack": round(packed_s, 1)}, **state(args, tree)}
 
 
 def copy_verified(source: str, dest: Path, reader: str, timeout_s: int) -> str:
@@ -316,7 +318,7 @@ def unpack(args) -> dict:
     drop_other_packs(envs, args.key)
     remove_later(replaced)
     did = "unpack" if args.source else "seed" if args.origin else "restore"
-    return {"changed": True, "did": did, "seconds": seconds, **state(args)}
+    return {"changed": True, "did": did, "seconds": seconds, **state(args, tree)}
 
 
 def main() -> int:
