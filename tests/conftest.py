@@ -25,6 +25,19 @@ with contextlib.suppress(ImportError):
     import torch._dynamo  # noqa: F401
 from helpers.trainer_harness import Run, finish, start_run
 
+from trainer.torch_extensions import remove_stale
+
+
+def pytest_sessionstart(session):
+    """Clear the build locks of DeepSpeed's ops that no process holds, in this account's torch
+    extension dirs, before any test: a test run interrupted while an op compiled (Ctrl-C, a CI
+    timeout) leaves one, and every later DeepSpeed start on this machine then waits on it forever
+    (a CI run lost 37 minutes in one chunk to a lock left that way; the launcher's start check
+    refused the simulated nodes for it). A lock a process holds (another test run building now) is
+    left alone. The product's own fix (`trainer.torch_extensions remove-stale`), said aloud."""
+    for lock in remove_stale():
+        print(f"conftest: removed the stale torch extension build lock {lock['path']} (no process held it)")
+
 
 @pytest.fixture
 def run_trainer(tmp_path):
