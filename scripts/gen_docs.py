@@ -7,7 +7,7 @@
   config dataclasses' field docstrings, read by the code that `trainer train --help-config` uses
   (trainer.node.config.config_keys);
 - docs/reference/roles.md: every role variable, from roles/*/meta/argument_specs.yml, with its default
-  from the role's defaults/ (tests/unit/roles/test_role_specs.py keeps the two in step).
+  from the role's defaults/main.yml (tests/unit/roles/test_role_specs.py keeps the two in step).
 
 The pages are committed; tests/unit/test_docs.py regenerates them into a temporary dir and fails when a
 committed one differs. The output depends on the code only: the terminal's width, this checkout's path
@@ -227,14 +227,8 @@ def config_page() -> str:
 def _role_defaults(role: Path) -> dict:
     import yaml
 
-    defaults = role / "defaults"
-    files = (
-        [defaults / "main.yml"] if (defaults / "main.yml").exists() else sorted(defaults.glob("main/*.yml"))
-    )
-    merged: dict = {}
-    for path in files:
-        merged.update(yaml.safe_load(path.read_text()) or {})
-    return merged
+    path = role / "defaults" / "main.yml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
 
 
 def _default_text(value: object) -> str:

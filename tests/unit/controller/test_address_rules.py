@@ -73,7 +73,7 @@ PLAYBOOK = f"""---
   gather_facts: false
   tasks:
     - name: The timesync role's defaults
-      ansible.builtin.include_vars: {REPO}/roles/timesync/defaults/main/main.yml
+      ansible.builtin.include_vars: {REPO}/roles/timesync/defaults/main.yml
     - name: Render chrony.conf and the ssh client drop-in
       ansible.builtin.template:
         src: "{REPO}/roles/{{{{ item.role }}}}/templates/{{{{ item.src }}}}"

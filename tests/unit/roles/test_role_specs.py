@@ -16,20 +16,21 @@ PY_TYPES = {"bool": bool, "int": int, "float": float, "list": list, "dict": dict
 
 
 def role_defaults(role: Path) -> dict:
-    defaults_dir = role / "defaults"
-    files = (
-        [defaults_dir / "main.yml"]
-        if (defaults_dir / "main.yml").exists()
-        else sorted((defaults_dir / "main").glob("*.yml"))
-    )
-    merged: dict = {}
-    for path in files:
-        merged.update(yaml.safe_load(path.read_text()) or {})
-    return merged
+    return yaml.safe_load((role / "defaults" / "main.yml").read_text()) or {}
 
 
 def documented_roles() -> list[Path]:
     return sorted(p for p in ROLES.iterdir() if (p / "defaults").is_dir())
+
+
+def test_every_role_keeps_its_defaults_in_one_file():
+    """One skeleton: defaults/main.yml and nothing beside it, where a reader (and gen_docs.py) looks.
+    A defaults/main/ directory would be loaded by Ansible as well, unseen by the docs and this test."""
+    for role in documented_roles():
+        found = sorted(p.relative_to(role).as_posix() for p in (role / "defaults").iterdir())
+        assert found == ["defaults/main.yml"], (
+            f"{role.name}: defaults in {found}: keep them in defaults/main.yml"
+        )
 
 
 def test_every_role_with_defaults_has_specs():
@@ -76,13 +77,9 @@ def test_specs_and_defaults_agree(role: Path):
 def test_every_default_has_a_comment():
     """One line of comment above each default says what it is for (read in defaults/, not only here)."""
     for role in documented_roles():
-        defaults_dir = role / "defaults"
-        for path in [defaults_dir / "main.yml", *sorted((defaults_dir / "main").glob("*.yml"))]:
-            if not path.exists():
-                continue
-            lines = path.read_text().splitlines()
-            for i, line in enumerate(lines):
-                if line and not line[0].isspace() and not line.startswith(("#", "---")) and ":" in line:
-                    assert i > 0 and lines[i - 1].startswith("#"), (
-                        f"{path}: comment the default {line.split(':')[0]}"
-                    )
+        path = role / "defaults" / "main.yml"
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line and not line[0].isspace() and not line.startswith(("#", "---")) and ":" in line:
+                name = line.split(":")[0]
+                assert i > 0 and lines[i - 1].startswith("#"), f"{path}: comment the default {name}"

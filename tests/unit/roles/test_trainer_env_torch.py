@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[3]
-DEFAULTS = REPO / "roles" / "trainer_env" / "defaults" / "main" / "main.yml"
+DEFAULTS = REPO / "roles" / "trainer_env" / "defaults" / "main.yml"
 PLAYBOOK = f"""
 - hosts: cluster
   connection: local
