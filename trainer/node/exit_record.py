@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from trainer.node.progress import DIRECTORY_VARIABLE
+from trainer.safe_files import umask_mode, write_file
 
 #: The reason this rank noted first: (one line, whether it is a consequence of a peer's failure).
 _reason: tuple[str, bool] | None = None
@@ -54,10 +55,9 @@ def write(code: int) -> None:
     }
     directory = Path(raw)
     target = directory / f"exit-{rank}.json"
-    tmp = directory / f".exit-{rank}.json.tmp"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record))
-        tmp.replace(target)
+        # Exclusively, never through a link (trainer.safe_files): the dir is on the share.
+        write_file(target, json.dumps(record), umask_mode())
     except OSError:
         pass  # the launcher falls back to the node's exit code and the log

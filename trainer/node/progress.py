@@ -19,6 +19,7 @@ report is tested with it).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -28,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 from typing import IO, Any
+
+from trainer.safe_files import umask_mode, write_file
 
 DIRECTORY_VARIABLE = "CLUSTERTRAIN_PROGRESS_DIR"
 STALL_VARIABLE = "TRAINER_TEST_STALL"
@@ -103,12 +106,10 @@ class Progress:
         if self.directory is None:
             return
         target = self.directory / f"rank-{self.rank}.json"
-        tmp = target.with_name(f".{target.name}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.record()))
-            tmp.replace(target)
-        except OSError:
-            pass  # the watchdog sees no progress from this rank; training goes on
+        # An error is let go: the watchdog sees no progress from this rank; training goes on.
+        with contextlib.suppress(OSError):
+            # Exclusively, never through a link (trainer.safe_files): the dir is on the share.
+            write_file(target, json.dumps(self.record()), umask_mode())
 
     def _writer(self) -> None:
         written: tuple[int | None, int | None] = (None, None)

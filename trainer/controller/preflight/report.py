@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -10,6 +11,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from trainer.safe_files import umask_mode, write_file
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -132,13 +135,15 @@ def bandwidth_heatmap(bandwidth: dict[str, Any]) -> Figure:
 
 
 def write_png(fig: Figure, path: Path) -> None:
-    """Through matplotlib's Agg canvas, atomically."""
+    """Through matplotlib's Agg canvas, into memory, then written whole without following a link: the
+    report may sit in a dir another account can write (the shared dir), where a link planted under the
+    temporary name would have made savefig overwrite whatever it points at, as the operator."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    picture = io.BytesIO()
+    fig.savefig(picture, format="png")
+    write_file(path, picture.getvalue(), umask_mode())
 
 
 def format_result(result: Result) -> str:

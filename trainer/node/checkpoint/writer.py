@@ -141,8 +141,13 @@ class CheckpointWriter:
 
 
 def write_atomically(path: Path, text: str) -> None:
+    """`path` whole and on disk before it replaces the old one (a crash leaves `latest` naming a whole
+    checkpoint). The temporary file is made exclusively without following a link, as
+    trainer.safe_files does, and durably (fsync), which that helper does not."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
+    tmp.unlink(missing_ok=True)  # a leftover of a killed save, or a planted link: removed, not opened
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with open(fd, "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
