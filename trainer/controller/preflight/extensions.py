@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.controller.inventory import Cluster
+from trainer.controller.preflight.host_facts import each_host_fact
 from trainer.controller.preflight.report import FAIL, PASS, WARN, Result
 from trainer.torch_extensions import stale_lock_fix
 
@@ -19,22 +20,17 @@ PROVISION = "ansible-playbook site.yml --tags trainer_env"
 
 def evaluate(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[Result]:
     user = str(cluster.head.get("cluster_training_user") or "the training user")
-    results = []
-    for host in cluster.hosts:
-        fact = facts.get(host.name) or {}
-        found = fact.get("extensions")
-        if found is None or found.get("error"):
-            reason = found["error"] if found else why_missing(host.name)
-            results.append(
-                Result(
-                    CHECK,
-                    host.name,
-                    FAIL,
-                    f"cannot look at DeepSpeed's op builds on {host.name}: {reason}",
-                    fix=f"reinstall the trainer in the venv on {host.name}: {PROVISION}",
-                )
-            )
-            continue
+    results: list[Result] = []
+    for host, found in each_host_fact(
+        cluster,
+        facts,
+        "extensions",
+        why_missing,
+        results,
+        check=CHECK,
+        unreadable=lambda host, reason: f"cannot look at DeepSpeed's op builds on {host.name}: {reason}",
+        fix=lambda host: f"reinstall the trainer in the venv on {host.name}: {PROVISION}",
+    ):
         stale = found.get("stale") or []
         if stale:
             lock = stale[0]

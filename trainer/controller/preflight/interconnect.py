@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.controller.inventory import Cluster
+from trainer.controller.preflight.host_facts import each_host_fact
 from trainer.controller.preflight.report import FAIL, PASS, WARN, Result
 from trainer.controller.training_env import IB_AUTO, IB_DEVICES_DIR, ib_disable_value
 
@@ -15,19 +16,16 @@ CHECK = "interconnect"
 def interconnect(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[Result]:
     results: list[Result] = []
     devices: dict[str, list[str]] = {}
-    for host in cluster.hosts:
-        found = (facts.get(host.name) or {}).get("infiniband")
-        if found is None:
-            results.append(
-                Result(
-                    CHECK,
-                    host.name,
-                    FAIL,
-                    f"cannot read {IB_DEVICES_DIR}: {why_missing(host.name)}",
-                    fix=f"check that Ansible reaches {host.name} and python3 runs there",
-                )
-            )
-            continue
+    for host, found in each_host_fact(
+        cluster,
+        facts,
+        "infiniband",
+        why_missing,
+        results,
+        check=CHECK,
+        unreadable=lambda _, reason: f"cannot read {IB_DEVICES_DIR}: {reason}",
+        fix=lambda host: f"check that Ansible reaches {host.name} and python3 runs there",
+    ):
         devices[host.name] = list(found)
         shown = (
             f"InfiniBand/RoCE devices: {', '.join(found)}"

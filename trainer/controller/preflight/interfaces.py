@@ -17,6 +17,7 @@ from typing import Any
 from trainer.controller.inventory import Cluster, Host
 from trainer.controller.launcher.topology import AUTO_IFNAME, Node, Topology
 from trainer.controller.preflight.compare import odd_ones
+from trainer.controller.preflight.host_facts import each_host_fact
 from trainer.controller.preflight.report import FAIL, PASS, WARN, Result
 
 CHECK = "interface"
@@ -89,20 +90,18 @@ def evaluate(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[Resul
     mtus: dict[str, int] = {}
     chosen_names: dict[str, str] = {}
     cpu_nodes = any(int(h.get("cluster_accelerators", 0) or 0) == 0 for h in cluster.hosts)
-    for host in cluster.hosts:
-        found = (facts.get(host.name) or {}).get("interfaces")
-        if found is None or found.get("error"):
-            reason = found["error"] if found else why_missing(host.name)
-            results.append(
-                Result(
-                    CHECK,
-                    host.name,
-                    FAIL,
-                    f"cannot list the interfaces of {host.name}: {reason}",
-                    fix=f"install iproute2 on {host.name} (apt-get install iproute2): `ip -j addr` must work",
-                )
-            )
-            continue
+    for host, found in each_host_fact(
+        cluster,
+        facts,
+        "interfaces",
+        why_missing,
+        results,
+        check=CHECK,
+        unreadable=lambda host, reason: f"cannot list the interfaces of {host.name}: {reason}",
+        fix=lambda host: (
+            f"install iproute2 on {host.name} (apt-get install iproute2): `ip -j addr` must work"
+        ),
+    ):
         interfaces = found["interfaces"]
         by_name = {i["name"].split("@")[0]: i for i in interfaces}
         names = list(by_name)

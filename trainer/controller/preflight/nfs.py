@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.controller.inventory import Cluster, Host
+from trainer.controller.preflight.host_facts import each_host_fact
 from trainer.controller.preflight.report import FAIL, PASS, SKIP, Result
 
 CHECK = "nfs"
@@ -64,26 +65,25 @@ def evaluate(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[Resul
     shared = str(head.get("cluster_shared_dir") or "?")
     address = server_address(cluster)
     service = server_service(head)
-    results = []
-    for host in cluster.hosts:
-        fact = facts.get(host.name) or {}
-        state = fact.get("nfs")
-        if state is None:
-            results.append(
-                Result(
-                    CHECK,
-                    host.name,
-                    FAIL,
-                    f"could not check NFS from {host.name}: {why_missing(host.name)}",
-                    fix=f"check that Ansible reaches {host.name} and python3 runs there",
-                )
-            )
-            continue
+    results: list[Result] = []
+    for host, state in each_host_fact(
+        cluster,
+        facts,
+        "nfs",
+        why_missing,
+        results,
+        check=CHECK,
+        unreadable=lambda host, reason: f"could not check NFS from {host.name}: {reason}",
+        fix=lambda host: f"check that Ansible reaches {host.name} and python3 runs there",
+        error_is_unreadable=False,  # the NFS state's errors are named below, per side
+    ):
         rpc = state.get("rpc") or {}
         if host.name == head.name:
             results.append(_server(head, state, rpc, address, service))
         else:
-            results.append(_client(cluster, host, fact, state, rpc, address, service, shared))
+            results.append(
+                _client(cluster, host, facts.get(host.name) or {}, state, rpc, address, service, shared)
+            )
     return results
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.controller.inventory import Cluster
+from trainer.controller.inventory import Cluster, Host
 from trainer.controller.preflight.compare import odd_ones
+from trainer.controller.preflight.host_facts import each_host_fact
 from trainer.controller.preflight.report import FAIL, PASS, Result
 
 VERSION_KEYS = ("python", "torch", "deepspeed", "accelerate", "trainer")
@@ -15,21 +16,19 @@ def accelerators(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[R
     check = "accelerators"
     seen: dict[str, tuple[int, str]] = {}
     results: list[Result] = []
-    for host in cluster.hosts:
-        fact = (facts.get(host.name) or {}).get("accelerators")
-        if fact is None or fact.get("error"):
-            reason = fact["error"] if fact else why_missing(host.name)
-            results.append(
-                Result(
-                    check,
-                    host.name,
-                    FAIL,
-                    f"cannot read accelerators: {reason}",
-                    fix=f"on {host.name}: nvidia-smi must list the GPUs (install or repair the NVIDIA "
-                    "driver), or set cluster_accelerators: 0 for a CPU node",
-                )
-            )
-            continue
+    for host, fact in each_host_fact(
+        cluster,
+        facts,
+        "accelerators",
+        why_missing,
+        results,
+        check=check,
+        unreadable=lambda _, reason: f"cannot read accelerators: {reason}",
+        fix=lambda host: (
+            f"on {host.name}: nvidia-smi must list the GPUs (install or repair the NVIDIA "
+            "driver), or set cluster_accelerators: 0 for a CPU node"
+        ),
+    ):
         count = int(fact["count"])
         models = sorted(set(fact["models"]))
         model = models[0] if len(models) == 1 else ("cpu" if not models else " + ".join(models))
@@ -138,26 +137,30 @@ def torch_sees_the_gpus(host, expected: int, smi: dict[str, Any], found: dict[st
     ]
 
 
+PROVISION_ENV = "ansible-playbook site.yml --tags trainer_env"
+
+
+def _venv(host: Host) -> str:
+    return str(host.get("training_venv", "?"))
+
+
 def versions(cluster: Cluster, facts: dict[str, Any], why_missing) -> list[Result]:
     check = "versions"
     seen: dict[str, tuple[str | None, ...]] = {}
     results: list[Result] = []
-    for host in cluster.hosts:
-        found = (facts.get(host.name) or {}).get("versions")
-        venv = host.get("training_venv", "?")
-        if found is None or found.get("error"):
-            reason = found["error"] if found else why_missing(host.name)
-            results.append(
-                Result(
-                    check,
-                    host.name,
-                    FAIL,
-                    f"cannot read versions from {venv}: {reason}",
-                    fix=f"create the training venv on {host.name}: "
-                    "ansible-playbook site.yml --tags trainer_env",
-                )
-            )
-            continue
+    for host, found in each_host_fact(
+        cluster,
+        facts,
+        "versions",
+        why_missing,
+        results,
+        check=check,
+        unreadable=lambda host, reason: f"cannot read versions from {_venv(host)}: {reason}",
+        fix=lambda host: (
+            f"create the training venv on {host.name}: ansible-playbook site.yml --tags trainer_env"
+        ),
+    ):
+        venv = _venv(host)
         missing = [key for key in VERSION_KEYS if not found.get(key)]
         if missing:
             results.append(
