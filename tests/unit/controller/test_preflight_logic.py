@@ -1005,12 +1005,22 @@ def test_every_check_is_one_registry_entry_documented_under_its_skip_name():
     assert [c.name for c in REGISTRY if c.judge is None] == ["topology", "deepspeed"]  # their own phases
 
 
-def test_only_checks_reading_node_facts_run_the_facts_probe():
+def test_the_playbook_runs_only_the_probes_the_chosen_checks_read():
     from trainer.controller.preflight import probe
-    from trainer.controller.preflight.checks import reading
+    from trainer.controller.preflight.checks import REGISTRY, probes_for
 
-    assert not reading(probe.NODE_FACTS, ["ssh", "ufw", "master_port", "bandwidth"])
-    assert reading(probe.NODE_FACTS, ["ufw", "clock"]) and reading(probe.NODE_FACTS, ["space"])
+    assert probe.NODE_FACTS not in probes_for(["ssh", "ufw", "master_port", "bandwidth"])
+    assert probe.NODE_FACTS in probes_for(["ufw", "clock"]) and probe.NODE_FACTS in probes_for(["space"])
+    # The clock's clients measure against the head's listener: it runs without master_port too.
+    assert {probe.LISTENER, probe.CLIENT} <= set(probes_for(["clock"]))
+    assert probes_for(["bandwidth"]) == [probe.IPERF_TEST]
+    # Every task a check reads is one the playbook switches on by that name, and no task is
+    # switched on by anything else.
+    playbook = probe.PLAYBOOK.read_text()
+    read = {task for check in REGISTRY for task in check.reads}
+    switched = set(re.findall(r"'(Preflight \| [^']+)' in preflight_probes", playbook))
+    assert switched == read, switched ^ read
+    assert "preflight_checks" not in playbook
 
 
 def test_the_deepspeed_job_waits_only_on_failures_it_would_hang_or_fail_on():

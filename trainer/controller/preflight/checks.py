@@ -67,7 +67,8 @@ class Check:
     looks_at: str
     """What it probes, in one line (docs/preflight.md says more, with every fix)."""
     reads: tuple[str, ...] = ()
-    """The probe playbook's tasks (probe.NODE_FACTS, ...) whose output it judges."""
+    """The probe playbook's tasks (probe.NODE_FACTS, ...) it needs: those whose output it judges, and
+    what they need to run. The playbook runs a task only when a check to run reads it (probes_for)."""
     judge: Callable[[Found], list[Result]] | None = None
     """How it judges what the probes found; None for the two run as phases of their own."""
     blocks_deepspeed: bool = False
@@ -193,6 +194,7 @@ def _measure_again(found: Found, measured, rounds: list[dict]):
         found.cluster,
         ["bandwidth"],
         seconds,
+        probes=probes_for(["bandwidth"]),
         token=found.token,
         io_timeout_s=args.io_timeout,
         rounds=again,
@@ -267,7 +269,8 @@ REGISTRY: tuple[Check, ...] = (
     Check(
         "clock",
         looks_at="chronyd synchronised, each worker's offset from the head",
-        reads=(probe.CLIENT, probe.NODE_FACTS),
+        # The workers' clients measure their offsets against the head's listener.
+        reads=(probe.LISTENER, probe.CLIENT, probe.NODE_FACTS),
         judge=_clock,
     ),
     Check(
@@ -315,9 +318,9 @@ CHECKS: tuple[str, ...] = tuple(BY_NAME)
 PROBE_CHECKS: tuple[str, ...] = tuple(name for name in CHECKS if name != "deepspeed")
 
 
-def reading(task: str, names: list[str]) -> bool:
-    """Whether any of the checks `names` judges what `task` printed (the playbook runs it only then)."""
-    return any(task in BY_NAME[name].reads for name in names)
+def probes_for(names: list[str]) -> list[str]:
+    """The probe playbook's tasks the checks `names` read: what the playbook runs (preflight_probes)."""
+    return sorted({task for name in names for task in BY_NAME[name].reads})
 
 
 def judge_all(found: Found, names: list[str]) -> list[Result]:

@@ -354,7 +354,7 @@ def bandwidth_threshold(cluster, cli_value: float | None) -> float:
 def _probe_results(cluster, checks: list[str], args, report: Report, token: str, plan) -> list[Result]:
     """The probe playbook run once for `checks`, then each check judged (preflight.checks)."""
     from trainer.controller.preflight import probe
-    from trainer.controller.preflight.checks import Found, judge_all, reading
+    from trainer.controller.preflight.checks import Found, judge_all, probes_for
 
     threshold = bandwidth_threshold(cluster, args.bandwidth_threshold_gbit)
     model_dir = str(plan.config["model"].get("name_or_path") or "") if plan is not None else ""
@@ -367,7 +367,7 @@ def _probe_results(cluster, checks: list[str], args, report: Report, token: str,
         token=token,
         model_dir=model_dir,
         io_timeout_s=args.io_timeout,
-        facts=reading(probe.NODE_FACTS, checks),
+        probes=probes_for(checks),
         full=args.full_matrix,
     )
     if probes.status == "timeout":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,18 +162,17 @@ def extravars(
     model_dir: str = "",
     io_timeout_s: float = 10.0,
     rounds: list[dict[str, Any]] | None = None,
-    facts: bool = False,
+    probes: Collection[str] = (),
     full: bool = False,
 ) -> dict[str, Any]:
     """The probe playbook's variables; `rounds` replaces the bandwidth check's schedule (a
-    re-measure of some pairs); `facts`: a check among `checks` reads node_facts.py's output
-    (checks.reading); `full`: every pair logs in and is measured (--full-matrix)."""
+    re-measure of some pairs); `probes`: the playbook's tasks to run, those the checks read
+    (checks.probes_for); `full`: every pair logs in and is measured (--full-matrix)."""
     head = cluster.head
     comm_range = str(head.get("cluster_comm_port_range", "29400:29999"))
     parse_port_range(comm_range)  # a clear error before anything runs
     token = token or secrets.token_hex(8)
     return {
-        "preflight_checks": checks,
         "preflight_nodes": [{"name": h.name, "address": h.address} for h in cluster.hosts],
         "preflight_addresses": {h.name: h.address for h in cluster.hosts},
         "preflight_head": head.name,
@@ -180,16 +180,16 @@ def extravars(
         "preflight_comm_port_range": comm_range,
         "preflight_token": token,
         "preflight_marker": MARKER,
-        "preflight_facts": facts,
+        "preflight_probes": sorted(probes),
         "preflight_requests": node_requests(cluster, checks, token, model_dir, io_timeout_s),
         "preflight_io_timeout_s": io_timeout_s,
         "preflight_iperf_plan": iperf_plan(
             cluster, with_ports(cluster, rounds) if rounds else iperf_rounds(cluster, full)
         )
-        if "bandwidth" in checks
+        if IPERF_TEST in probes
         else {},
         "preflight_iperf_seconds": iperf_seconds,
-        "preflight_ssh_logins": ssh_logins(cluster, full) if "ssh" in checks and rounds is None else {},
+        "preflight_ssh_logins": ssh_logins(cluster, full) if SSH in probes and rounds is None else {},
     }
 
 
@@ -201,12 +201,12 @@ def ssh_logins(cluster: Cluster, full: bool = False) -> dict[str, list[list[str]
 
 
 def time_limit_s(
-    cluster: Cluster, checks: list[str], iperf_seconds: int, io_timeout_s: float, full: bool = False
+    cluster: Cluster, probes: Collection[str], iperf_seconds: int, io_timeout_s: float, full: bool = False
 ) -> float:
     """The whole probe playbook's bound: every task has its own timeout, this is the backstop."""
     names = [h.name for h in cluster.hosts]
-    rounds = len(schedule.bandwidth_rounds(names, full)) if "bandwidth" in checks else 0
-    logins = len(schedule.login_offsets(len(names), full)) if "ssh" in checks else 0
+    rounds = len(schedule.bandwidth_rounds(names, full)) if IPERF_TEST in probes else 0
+    logins = len(schedule.login_offsets(len(names), full)) if SSH in probes else 0
     return 300 + 4 * io_timeout_s + rounds * (iperf_seconds + 120) + 20 * logins
 
 
@@ -219,21 +219,24 @@ def run_probes(
     model_dir: str = "",
     io_timeout_s: float = 10.0,
     rounds: list[dict[str, Any]] | None = None,
-    facts: bool = False,
+    probes: Collection[str] = (),
     full: bool = False,
     limit: list[str] | None = None,
 ) -> Probes:
-    """`limit`: only these hosts (a re-measure of some pairs: the others have nothing to run)."""
+    """`probes`: the playbook's tasks to run (checks.probes_for(checks)); `limit`: only these hosts (a
+    re-measure of some pairs: the others have nothing to run)."""
     from trainer.controller.runner import run_playbook  # imported here: ansible-runner is heavy
 
-    variables = extravars(cluster, checks, iperf_seconds, token, model_dir, io_timeout_s, rounds, facts, full)
+    variables = extravars(
+        cluster, checks, iperf_seconds, token, model_dir, io_timeout_s, rounds, probes=probes, full=full
+    )
     result = run_playbook(
         PLAYBOOK,
         cluster.inventory,
         extravars=variables,
         on_event=on_event,
         limit=",".join(limit) if limit else None,
-        timeout_s=time_limit_s(cluster, checks, iperf_seconds, io_timeout_s, full),
+        timeout_s=time_limit_s(cluster, probes, iperf_seconds, io_timeout_s, full),
         env=ANSIBLE_ENV | {"ANSIBLE_FORKS": str(forks(cluster))},
     )
     probes = Probes(playbook_output=result.output, status=result.status)
