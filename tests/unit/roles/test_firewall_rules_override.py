@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers.loopback import two_node_inventory
 
 REPO = Path(__file__).resolve().parents[3]
@@ -81,3 +82,22 @@ def test_the_old_rule_list_names_are_refused_with_the_new_ones(tmp_path):
     assert "rename to firewall_trainer_env_rules" in output, output
     # Refused in the validate plays, before any role ran.
     assert "TASK [firewall" not in output, output
+
+
+def test_each_role_declares_its_own_ports_and_the_firewall_role_holds_none():
+    """DebOps' dependent variables: the ports a role needs sit in that role's defaults, next to the
+    settings they follow (nfs_server's mountd port, trainer_env's MASTER_PORT); the firewall role only
+    names the roles whose lists it loads, so a port is never written (or defaulted) twice."""
+    roles = REPO / "roles"
+    firewall_defaults = yaml.safe_load((roles / "firewall" / "defaults" / "main.yml").read_text())
+    port_roles = yaml.safe_load((roles / "firewall" / "vars" / "main.yml").read_text())["firewall_port_roles"]
+    assert set(port_roles) == {"timesync", "nfs_server", "trainer_env"}
+    for role in port_roles:
+        declared = yaml.safe_load((roles / role / "defaults" / "main.yml").read_text())
+        assert f"{role}_firewall_ports" in declared, f"{role} declares the ports it needs"
+        assert (roles / role / "tasks" / "firewall_ports.yml").is_file(), f"the way into {role}"
+        rule_list = firewall_defaults[f"firewall_{role}_rules"]
+        assert rule_list == f"{{{{ {role}_firewall_ports | default([]) }}}}", rule_list
+    text = (roles / "firewall" / "defaults" / "main.yml").read_text()
+    for port_setting in ("- port:", "nfs_server_mountd_port", "cluster_master_port", "'2049'", '"123"'):
+        assert port_setting not in text, f"firewall/defaults still holds another role's rule: {port_setting}"
