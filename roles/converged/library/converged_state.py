@@ -23,6 +23,12 @@ The item kinds are fixed here: the record names paths and units, never a command
 An item root cannot read (a home on NFS that squashes root, a systemd that does not answer) is never
 called converged: the probe cannot tell whether it changed, so it asks for a full run, in one line
 that names the item.
+
+A read that does not return at all (a home on an NFS server that stopped answering: the stat blocks
+in the kernel) is a different failure: the roles would block on the same path. A watchdog thread
+ends the module after `hang_timeout_s` on one read, naming the node and the path it waits on, so
+site.yml stops with that message instead of hanging (the task's own `timeout` in tasks/probe.yml is
+the backstop for a module that cannot even report).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import os
 import pwd
 import stat
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -68,6 +76,16 @@ options:
   cluster_digest:
     description: The digest of every node's state and the inputs, the same on every node (record).
     type: str
+  hang_timeout_s:
+    description: >-
+      Seconds one read may block (probe, digest): past it the module fails at once, naming C(node) and
+      the path (or item) it waits on. 0 turns the watchdog off.
+    type: float
+    default: 60
+  node:
+    description: The node's name in the inventory, for the hang message.
+    type: str
+    default: ""
   read_budget_s:
     description: >-
       Seconds the read of the items may take (probe, digest); the items left after it are unknown,
@@ -95,6 +113,10 @@ cluster_digest:
 items:
   description: How many items were read.
   type: int
+hung:
+  description: >-
+    The item a read blocked on past hang_timeout_s (the module then fails), e.g. "path /home/trainer/.ssh".
+  type: str
 """
 
 RECORD_VERSION = 1
@@ -112,6 +134,62 @@ MAX_HASHED_BYTES = 16 << 20
 #: The whole read's time budget: past it, the items left are unknown (a full run), so a slow disk or
 #: a stalled NFS home cannot stall the run's first step.
 READ_BUDGET_S = 60.0
+#: The longest one read may block before the module gives up on the node (a hung mount).
+HANG_TIMEOUT_S = 60.0
+
+
+# --- a read that never returns --------------------------------------------------------------------
+
+
+class Watchdog:
+    """Ends the module when one read blocks for longer than `limit_s`, naming the node and the item.
+
+    A stat or open on a mount whose server stopped answering waits in the kernel, where no Python
+    timeout reaches it; a second thread can still answer for the module and end the process
+    (os._exit: the blocked thread's wait is killable, so the process does exit)."""
+
+    def __init__(self, limit_s: float, node: str) -> None:
+        self.limit_s = limit_s
+        self.node = node or os.uname().nodename
+        self._lock = threading.Lock()
+        self._item = ""
+        self._since = 0.0
+        if limit_s > 0:
+            threading.Thread(target=self._watch, name="converged-watchdog", daemon=True).start()
+
+    def reading(self, item: str) -> Watchdog:
+        with self._lock:
+            self._item, self._since = item, time.monotonic()
+        return self
+
+    def __enter__(self) -> Watchdog:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        with self._lock:
+            self._item = ""
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.limit_s / 10))
+            with self._lock:
+                item, since = self._item, self._since
+            if item and time.monotonic() - since > self.limit_s:
+                self._give_up(item)
+
+    def _give_up(self, item: str) -> None:
+        message = (
+            f"{self.node}: the converged probe waited {self.limit_s:.0f} s on {item} and it did not answer"
+            " (a hung NFS home or mount?): every role would hang on it too, so the run stops here."
+            " Fix the mount (or the server behind it) on this node, then run site.yml again."
+        )
+        sys.stdout.write(json.dumps({"failed": True, "changed": False, "msg": message, "hung": item}) + "\n")
+        sys.stdout.flush()
+        os._exit(1)
+
+
+#: No watchdog: a call from a test or another module's import.
+NO_WATCHDOG = Watchdog(0, "")
 
 
 # --- paths, read without following a link --------------------------------------------------------
@@ -323,11 +401,15 @@ def os_release() -> str:
     return path_state("/etc/os-release")
 
 
-def read_state(spec: dict, budget_s: float = READ_BUDGET_S) -> dict[str, str]:
+def read_state(
+    spec: dict, budget_s: float = READ_BUDGET_S, watchdog: Watchdog = NO_WATCHDOG
+) -> dict[str, str]:
     """Every item the spec names -> its state now, as one flat, comparable map. Items left when the
-    time budget runs out are "unknown (...)": the probe then asks for a full run."""
+    time budget runs out are "unknown (...)": the probe then asks for a full run. A read that blocks
+    past the watchdog's limit ends the module (Watchdog)."""
     deadline = time.monotonic() + budget_s
-    state = {"os-release": os_release()}
+    with watchdog.reading("path /etc/os-release"):
+        state = {"os-release": os_release()}
     reads: list[tuple[str, Callable[[], object]]] = [
         *((f"path {path}", lambda path=path: path_state(path)) for path in spec.get("paths") or []),
         *((f"listing {path}", lambda path=path: listing_state(path)) for path in spec.get("listings") or []),
@@ -346,7 +428,8 @@ def read_state(spec: dict, budget_s: float = READ_BUDGET_S) -> dict[str, str]:
         if time.monotonic() > deadline:
             state[key] = f"unknown (the probe's {budget_s:.0f} s budget ran out before it)"
             continue
-        value = read()
+        with watchdog.reading(key):
+            value = read()
         if isinstance(value, dict):  # one call for many items: services, packages, mounts
             prefix = {"services": "service", "packages": "package", "mounts": "mount"}[key]
             state.update({f"{prefix} {name}": item for name, item in value.items()})
@@ -425,11 +508,12 @@ def write_record(path: str, record: dict) -> None:
         raise
 
 
-def probe(params: dict) -> dict:
-    record, why = load_record(params["path"])
+def probe(params: dict, watchdog: Watchdog = NO_WATCHDOG) -> dict:
+    with watchdog.reading(f"the record {params['path']}"):
+        record, why = load_record(params["path"])
     if record is None:
         return {"converged": False, "reasons": [why], "host_digest": "", "cluster_digest": "", "items": 0}
-    state = read_state(record.get("spec") or {}, params.get("read_budget_s", READ_BUDGET_S))
+    state = read_state(record.get("spec") or {}, params.get("read_budget_s", READ_BUDGET_S), watchdog)
     reasons = []
     if record.get("inputs") != params["inputs"]:
         reasons.append(
@@ -476,6 +560,8 @@ def main() -> None:
             "cluster_digest": {"type": "str"},
             "state": {"type": "dict"},
             "read_budget_s": {"type": "float", "default": READ_BUDGET_S},
+            "hang_timeout_s": {"type": "float", "default": HANG_TIMEOUT_S},
+            "node": {"type": "str", "default": ""},
         },
         required_if=[
             ("mode", "probe", ["inputs"]),
@@ -485,14 +571,15 @@ def main() -> None:
         supports_check_mode=True,
     )
     params = module.params
+    watchdog = Watchdog(params["hang_timeout_s"], params["node"])
     if params["mode"] == "probe":
-        module.exit_json(changed=False, **probe(params))
+        module.exit_json(changed=False, **probe(params, watchdog))
     try:
         spec = normal_spec(params["spec"])
     except ValueError as err:
         module.fail_json(msg=str(err))
     if params["mode"] == "digest":
-        state = read_state(spec, params["read_budget_s"])
+        state = read_state(spec, params["read_budget_s"], watchdog)
         module.exit_json(changed=False, state=state, host_digest=digest_of(state), items=len(state))
     # The state the digest step read a moment ago: the cluster digest was made from it.
     state = {str(key): str(value) for key, value in params["state"].items()}

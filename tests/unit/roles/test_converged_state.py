@@ -12,9 +12,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from helpers.hung_mount import hung_mount
 
 MODULE = Path(__file__).resolve().parents[3] / "roles" / "converged" / "library" / "converged_state.py"
 #: Root as on a home on NFS that squashes root: without the capabilities that let it read any file.
@@ -267,3 +269,41 @@ def test_items_left_when_the_read_budget_runs_out_are_unknown(node):
     assert seen["converged"] is False
     assert "the probe's 0 s budget ran out before it" in seen["reasons"][0], seen["reasons"]
     assert probe(node)["converged"] is True, "with its budget the same node is converged"
+
+
+def test_a_path_that_hangs_ends_the_probe_naming_the_node_and_the_path(node):
+    """A home on an NFS server that stopped answering (here a FUSE mount whose server never answers):
+    the probe's stat blocks in the kernel. Before its watchdog the module never returned."""
+    home = node["tmp"] / "home"
+    home.mkdir()
+    keys = home / ".ssh" / "authorized_keys"
+    node["spec"]["paths"].append(str(keys))
+    record(node)
+    args = node["tmp"] / "hang-args.json"
+    args.write_text(
+        json.dumps(
+            {
+                "ANSIBLE_MODULE_ARGS": {
+                    "mode": "probe",
+                    "path": node["record"],
+                    "inputs": "inputs-1",
+                    "hang_timeout_s": 2,
+                    "node": "ct-worker9",
+                }
+            }
+        )
+    )
+    with hung_mount(str(home)):
+        started = time.monotonic()
+        try:
+            done = subprocess.run(
+                [sys.executable, str(MODULE), str(args)], capture_output=True, text=True, timeout=30
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail("the probe hung on the mount (no watchdog)")
+        took = time.monotonic() - started
+    answer = json.loads(done.stdout)
+    assert done.returncode != 0 and answer["failed"] is True, answer
+    assert answer["hung"] == f"path {keys}", answer
+    assert answer["msg"].startswith(f"ct-worker9: the converged probe waited 2 s on path {keys}"), answer
+    assert took < 10, f"it took {took:.1f} s to give up"
