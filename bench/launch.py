@@ -223,7 +223,8 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
     # A second place loads a second inventory in this process: Ansible says so once; it is harmless.
     warnings.filterwarnings("ignore", "AnsibleCollectionFinder has already been configured")
     from trainer.controller.inventory import load_cluster
-    from trainer.controller.launcher.launch import Launcher, WatchOptions, prestart, start_word
+    from trainer.controller.launcher.attempt_events import start_word
+    from trainer.controller.launcher.launch import Launcher, WatchOptions, prestart
     from trainer.controller.launcher.plan import make_plan
 
     marks = [("imports", time.monotonic() - started)]

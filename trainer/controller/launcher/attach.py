@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         # The lock stays held through the follow's stop when a restart may come.
-        outcome = launcher.attempt(view, {}, policy=policy.state(), final=not may_restart, attach=True)
+        outcome = launcher.follow(view, policy=policy.state(), final=not may_restart)
         if outcome.code in (exitcodes.OK, exitcodes.INTERRUPTED) or not outcome.restartable:
             policy.go_on(outcome)  # says why not (bad input, the head lost)
             return outcome.code

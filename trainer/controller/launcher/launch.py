@@ -23,9 +23,11 @@ lost at once when its peers' collectives fail meanwhile, else after `--unreachab
 No rank advancing a step (the bundled trainer) or no node printing a line (a user's command) for
 `--stall-timeout` seconds stops every node and names the ranks that were behind.
 
-This module runs one attempt (`Launcher.attempt`: probe, start, follow, stop) and says how it ended
-(`Outcome`); failure.py names the cause and its consequences; restarts.py is the policy above it
-(--max-restarts, --exclude-failed, --allow-batch-change), shared with `trainer attach`.
+This module runs one attempt (`Launcher.attempt`: probe, start, follow, stop; `Launcher.follow` for
+`trainer attach`) and says how it ended (`Outcome`); attempt_events.py handles what the attempt's
+playbook says meanwhile (the start handshake, the nodes' events and messages); failure.py names the
+cause and its consequences; restarts.py is the policy above it (--max-restarts, --exclude-failed,
+--allow-batch-change), shared with `trainer attach`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import os
 import pwd
 import signal
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -45,15 +46,15 @@ from typing import Any
 
 from trainer import exitcodes
 from trainer.controller import forks
+from trainer.controller.launcher.attempt_events import FollowEvents, StartEvents, StartHandshake, StepFailure
 from trainer.controller.launcher.command_forms import script_of
 from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
 from trainer.controller.launcher.launchfiles import launch_files
-from trainer.controller.launcher.live import JobMonitor, LiveView, node_text
+from trainer.controller.launcher.live import JobMonitor, LiveView, Stall, node_text
 from trainer.controller.launcher.plan import (
     JobPlan,
 )
 from trainer.controller.launcher.runlock import (
-    LOCK_TASK,
     RELEASE_TASK,
     LockError,
     RunLock,
@@ -70,17 +71,11 @@ from trainer.controller.runner import (
     PrestartedRun,
     prestart_playbook,
     run_playbook,
-    with_known_fix,
 )
 from trainer.controller.training_env import IB_AUTO
 
 PLAYBOOKS = PurePosixPath(__file__).parent / "playbooks"
-#: start.yml's one node task: the probe, the launcher's word, the start and the watch (Ansible forks a
-#: worker per node and task). Its result's `phase` says how far it got: probe, start, watch.
-LAUNCH_TASK = "Probe the node, start the trainer once every node passed, and follow it until it ends"
-WATCH_TASK = "Follow the trainer until it ends"
 STOP_TASK = "Stop the trainer's process group"
-STATUS_TASK = "Read the node's state"
 INTERRUPTED = exitcodes.INTERRUPTED
 #: ansible-playbook's settings for every run of a launch. ansible.cfg of the current directory is not
 #: read for these playbooks, so what matters here is set outright. Forks (launch_env) bound concurrency
@@ -157,13 +152,6 @@ def start_calls(extravars: dict[str, Any]) -> None:
         # run expects exactly LAUNCH_VARS).
         node["secret_env"], node["run_sh"] = {}, ""
     extravars.update(launch_files={}, launch_info={}, launch_record={})
-
-
-def start_word(probes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The launcher's word to every probed node once all have passed (launch_node's `launch`): start,
-    with NCCL's transport for the whole job: InfiniBand/RoCE only if every node has devices."""
-    every = all(probe.get("ib_devices") for probe in probes)
-    return {"go": True, "ib_disable": 0 if every else 1}
 
 
 def follow_problem(nodes: int) -> str | None:
@@ -543,250 +531,199 @@ class Launcher:
         policy: dict[str, Any] | None = None,
         final: bool = True,
         leave_lost: bool = False,
-        attach: bool = False,
     ) -> Outcome:
-        """Start the job on every node and follow it until it ends, fails or stalls; with `attach`,
-        follow the launch that is already running (`trainer attach`). `policy`: the restart policy's
-        state, for launch.json; `final`: no restart can follow, so the stop releases the run's lock;
+        """Start the job on every node and follow it until it ends, fails or stalls. `record`: the
+        history record the start writes (a launch, a restart); `policy`: the restart policy's state,
+        for launch.json; `final`: no restart can follow, so the stop releases the run's lock;
         `leave_lost`: the next attempt goes on without a lost node, so its stop does not wait for it
         (a vanished node's connection would only time out), else it is tried like any other."""
         self.policy = dict(policy or {})
-        plan, topo = self.plan, self.plan.topology
-        if not attach:
-            self.attempt_number += 1
+        self.attempt_number += 1
         monitor = self.monitor(view)
         view.states(monitor.ordered)
-        probes: dict[str, dict[str, Any]] = {}
-        started: set[str] = set()
-        start_ended: set[str] = set()
-        start_failures: list[tuple[str, str, str, str]] = []
-        lock_refused: list[dict[str, Any]] = []
-        cancel = threading.Event()
+        handshake = StartHandshake(self.hosts, on_word=lambda word: self._say_transport(view, word))
+        events = StartEvents(monitor, self.lock, handshake, view, self.plan.topology.head.host, self.become)
+        self._say_launching(view)
+        extravars = self._start_vars(record)
+        return self._play("start.yml", extravars, events, view, final=final, leave_lost=leave_lost)
 
-        # The nodes' probes (launch_node's `launch`): each one that passed waits for the word to start,
-        # given once every node's has passed; after a failed probe (or a refused lock) every node is
-        # told not to start, as the play's any_errors_fatal stopped the nodes between two tasks.
-        waiting: list[Any] = []
-        probe_failed: list[str] = []
-        told_to_start: set[str] = set()
+    def follow(self, view: LiveView, *, policy: dict[str, Any] | None = None, final: bool = True) -> Outcome:
+        """`trainer attach`: follow the launch that is already running (its launch_id and
+        attempt_number are launch.json's) until it ends, fails or stalls, as `attempt` does once its
+        nodes have started. `policy` and `final` as for `attempt`."""
+        self.policy = dict(policy or {})
+        plan, topo = self.plan, self.plan.topology
+        monitor = self.monitor(view)
+        view.states(monitor.ordered)
+        view.message(
+            f"Following run [bold]{plan.run_name}[/bold] (launch {self.launch_id}) on {topo.nnodes} "
+            f"node(s); each node's log in {plan.launch_dir}/node-N/log"
+        )
+        events = FollowEvents(monitor, self.lock)
+        return self._play("watch.yml", self.extravars(), events, view, final=final, leave_lost=False)
 
-        def tell_waiting() -> None:
-            if probe_failed or lock_refused:
-                why = "the run is locked" if not probe_failed else f"the probe failed on {probe_failed[0]}"
-                for message in waiting:
-                    message.reply({"go": False, "why": why})
-                waiting.clear()
-                return
-            # The head's probe passes only once this launcher holds the run's lock (taken by the play
-            # before, by the probe, or by the head's action after it).
-            if not all(h in probes for h in self.hosts):
-                return
-            word = start_word([probes[h] for h in self.hosts])
-            every = word["ib_disable"] == 0
-            if topo.nccl_ib_disable == IB_AUTO:
-                view.message(
-                    f"NCCL_IB_DISABLE auto: {0 if every else 1} ("
-                    + (
-                        "InfiniBand/RoCE devices on every node"
-                        if every
-                        else "not every node lists InfiniBand/RoCE devices in /sys/class/infiniband: "
-                        "TCP sockets"
-                    )
-                    + ")"
-                )
-            for message in waiting:
-                message.reply(word)
-                told_to_start.add(str(message.get("host")))
-            waiting.clear()
-
-        def on_event(event: dict[str, Any]) -> None:
-            name, data = event.get("event", ""), event.get("event_data", {})
-            task, host, res = data.get("task"), data.get("host"), data.get("res") or {}
-            if task == LAUNCH_TASK and host == topo.head.host and res.get("lock"):
-                # The head's probe took the lock (lock_in_probe), or was refused it and probed nothing.
-                if res["lock"].get("acquired"):
-                    self.lock.held = True
-                elif name == "runner_on_failed" and "holder" in res["lock"]:
-                    lock_refused.append(res["lock"].get("holder") or {})
-                    tell_waiting()
-                    return
-            if task in (LOCK_TASK, RELEASE_TASK) and not data.get("ignore_errors"):
-                if name == "runner_on_ok" and task == LOCK_TASK:
-                    self.lock.held = True
-                elif name == "runner_on_ok" and res.get("released"):
-                    self.lock.held = False
-                elif name == "runner_on_failed" and task == LOCK_TASK and "holder" in res:
-                    lock_refused.append(res.get("holder") or {})
-                    return
-            if task == WATCH_TASK or host not in monitor.hosts:
-                return
-            if attach:
-                if name == "runner_on_unreachable":
-                    monitor.on_unreachable(host, str(res.get("msg") or "unreachable"))
-                return
-            if task == LAUNCH_TASK and (res.get("phase") == "watch" or host in started):
-                # The watch's end (its result is its last report, already shown) or its failure
-                # (the monitor has judged the node from its misses).
-                return
-            if name in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
-                text = with_known_fix(str(res.get("msg") or res.get("stderr") or "failed").strip())
-                # A node told to start fails at its start whatever failed (an error the action did not
-                # foresee included): the nodes that started must be stopped, not waited for.
-                at_start = task == LAUNCH_TASK and (res.get("phase") == "start" or host in told_to_start)
-                label = "Start the trainer" if at_start else "Probe the node"
-                label = label if task == LAUNCH_TASK else str(task)
-                start_failures.append((host, label, text, name))
-                if task == LAUNCH_TASK and not at_start:
-                    probe_failed.append(host)
-                    tell_waiting()
-                elif at_start:
-                    # The nodes that started are being followed already (start and watch are one
-                    # task): the playbook would not end by itself. It is ended once every other
-                    # node's start has answered (started or failed): ended sooner, a start still on
-                    # its way would start a trainer after the stop, which then held the master port.
-                    start_ended.add(host)
-                    if starts_done():
-                        cancel.set()
-
-        def starts_done() -> bool:
-            """Every node started or failed to: before that, a failure is judged when the starts end
-            (a stop now could reach a node before its start does)."""
-            return len(started | start_ended) >= len(self.hosts) or attach
-
-        def on_message(message: dict[str, Any]) -> None:
-            if message.get("type") == "probed":
-                host, answer = str(message.get("host")), message.get("answer") or {}
-                probes[host] = answer
-                self.become[host] = bool(answer.get("become"))
-                if host == topo.head.host and (answer.get("lock") or {}).get("acquired"):
-                    # The head's probe took the run's lock (lock_in_probe, or after it as the
-                    # training user).
-                    self.lock.held = True
-                waiting.append(message)
-                tell_waiting()
-                return
-            if message.get("type") == "started":
-                host, report = str(message.get("host")), message.get("report") or {}
-                if host not in monitor.hosts:
-                    return
-                started.add(host)
-                # Only "running": a command that has ended already is judged by the watch's first
-                # report, which brings its log lines with its state.
-                if report.get("state") == "running":
-                    monitor.apply(monitor.hosts[host], report)
-                    view.states(monitor.ordered)
-            else:
-                monitor.on_message(message)
-            if (monitor.must_stop or start_ended) and starts_done():
-                cancel.set()
-
-        def on_tick() -> None:
-            monitor.tick()
-            if (monitor.must_stop or start_ended) and starts_done():
-                cancel.set()
-
+    def _say_launching(self, view: LiveView) -> None:
+        plan, topo = self.plan, self.plan.topology
         what = f"engine {plan.engine}" if plan.runs_bundled_trainer else "your command"
-        if attach:
-            view.message(
-                f"Following run [bold]{plan.run_name}[/bold] (launch {self.launch_id}) on {topo.nnodes} "
-                f"node(s); each node's log in {plan.launch_dir}/node-N/log"
-            )
-            extravars = self.extravars()
-        else:
-            view.message(
-                f"Launching run [bold]{plan.run_name}[/bold] on {topo.nnodes} node(s) × {topo.gpus_per_node} "
-                f"process(es) (world size {topo.world_size}, {what}, master "
-                f"{topo.master_addr}:{topo.master_port}); output in {plan.output_dir}, each node's log "
-                f"in {plan.launch_dir}/node-N/log"
-            )
-            # What the plan says too: a value the user set that another one overrules, one line each.
-            from rich.markup import escape
+        view.message(
+            f"Launching run [bold]{plan.run_name}[/bold] on {topo.nnodes} node(s) × {topo.gpus_per_node} "
+            f"process(es) (world size {topo.world_size}, {what}, master "
+            f"{topo.master_addr}:{topo.master_port}); output in {plan.output_dir}, each node's log "
+            f"in {plan.launch_dir}/node-N/log"
+        )
+        # What the plan says too: a value the user set that another one overrules, one line each.
+        from rich.markup import escape
 
-            for line in plan.overruled:
-                view.message(f"overruled: {escape(line)}")
-            extravars = self.extravars(
-                launch_files={} if self.reuse_node_files else self.files,
-                launch_info=self.info(),
-                launch_record={**record, "launch_id": self.launch_id, "attempt": self.attempt_number},
-                launch_reuse=self.reuse_node_files,
+        for line in plan.overruled:
+            view.message(f"overruled: {escape(line)}")
+
+    def _say_transport(self, view: LiveView, word: dict[str, Any]) -> None:
+        """NCCL_IB_DISABLE auto: what the word to start chose, and why."""
+        if self.plan.topology.nccl_ib_disable != IB_AUTO:
+            return
+        every = word["ib_disable"] == 0
+        view.message(
+            f"NCCL_IB_DISABLE auto: {0 if every else 1} ("
+            + (
+                "InfiniBand/RoCE devices on every node"
+                if every
+                else "not every node lists InfiniBand/RoCE devices in /sys/class/infiniband: TCP sockets"
             )
-            if self.reuse_node_files:
-                for node in extravars["launch_nodes"].values():
-                    node["secret_env"], node["run_sh"] = {}, ""
-        interrupted = False
+            + ")"
+        )
+
+    def _start_vars(self, record: dict[str, Any]) -> dict[str, Any]:
+        """start.yml's variables: the run's files, launch.json and the history record written anew, or
+        (reuse_node_files) the nodes' own kept."""
+        extravars = self.extravars(
+            launch_files={} if self.reuse_node_files else self.files,
+            launch_info=self.info(),
+            launch_record={**record, "launch_id": self.launch_id, "attempt": self.attempt_number},
+            launch_reuse=self.reuse_node_files,
+        )
+        if self.reuse_node_files:
+            for node in extravars["launch_nodes"].values():
+                node["secret_env"], node["run_sh"] = {}, ""
+        return extravars
+
+    def _play(
+        self,
+        playbook: str,
+        extravars: dict[str, Any],
+        events: FollowEvents,
+        view: LiveView,
+        *,
+        final: bool,
+        leave_lost: bool,
+    ) -> Outcome:
+        """Run the attempt's playbook with `events` handling what it says, then conclude: an ending
+        that needs no stop of this launcher's (_settled), else the stop and the diagnosis."""
+        monitor = events.monitor
         with view:
             try:
-                result = self._run(
-                    "watch.yml" if attach else "start.yml",
+                result: PlaybookResult | None = self._run(
+                    playbook,
                     extravars,
-                    on_event=on_event,
-                    on_message=on_message,
-                    on_tick=on_tick,
-                    cancel=cancel,
+                    on_event=events.on_event,
+                    on_message=events.on_message,
+                    on_tick=events.on_tick,
+                    cancel=events.cancel,
                 )
             except KeyboardInterrupt:
-                interrupted = True
-                result = None
-            if interrupted:
-                view.message("interrupted: stopping the trainer on every host (wait for it)")
-                stopped = self.stop(
-                    monitor,
-                    record=self._stop_record(None, "interrupted", "Ctrl-C, TERM or HUP"),
-                    release=True,
-                )
-                view.states(monitor.ordered)
-                self._report_stop_problems(stopped, view)
-                view.message(f"interrupted: the trainer is stopped on all hosts (run {plan.run_name})")
-                return Outcome(INTERRUPTED, "interrupted")
-            if lock_refused:
-                view.message(f"[red]trainer launch: run {plan.run_name} is locked[/red]")
-                view.log(self.lock.refusal(lock_refused[0]))
-                return Outcome(exitcodes.CONFIG_ERROR, "locked", [], "the run is locked by another launch")
-            if start_failures:
-                # Every node told to start may run its trainer (a start that failed by timing out
-                # may have started it after all): each is stopped, a node with nothing running
-                # answers so.
-                return self._start_failed(start_failures, started | told_to_start, view, monitor)
-            if monitor.all_done:
-                view.message(
-                    f"[green]done[/green]: run {plan.run_name} finished on all {len(monitor.hosts)} node(s); "
-                    f"output in {plan.output_dir}"
-                )
-                return Outcome(exitcodes.OK, "done")
-            stopped = [hs.host for hs in monitor.ordered if hs.state == "stopped"]
-            if stopped and not any(hs.failed and not hs.only_consequence for hs in monitor.ordered):
-                # This launcher has stopped nothing yet: `trainer stop` (or another follower's stop)
-                # did, and a peer that failed meanwhile lost its collective to that stop.
-                view.message(
-                    f"[yellow]stopped[/yellow]: run {plan.run_name} was stopped on {', '.join(stopped)} from "
-                    f"outside this launcher (trainer stop); nothing is restarted. Who stopped it: "
-                    f"{plan.launch_dir}/history.jsonl"
-                )
-                return Outcome(INTERRUPTED, "stopped", [], "stopped by trainer stop")
+                result = None  # Ctrl-C, TERM or HUP (install_signal_handlers)
+            if result is None:
+                return self._interrupted(monitor, view)
+            if (settled := self._settled(events, view)) is not None:
+                return settled
             stall = monitor.stall
-            early = None
-            try:  # nothing the nodes reported may keep the stop below from happening
-                if not monitor.must_stop and result is not None and result.output.strip():
-                    view.message("[red]trainer launch: the launch playbook ended early[/red]")
-                    view.log(result.output.strip()[-2000:])
-                # What is known now names the cause in the history record the stop writes; the stop's
-                # own answers (a node that does not answer it) complete it for the report below.
-                early = diagnose(monitor, bundled=plan.runs_bundled_trainer)
-                if stall is not None:
-                    view.message(f"stalled ({stall.summary}): collecting stacks, then stopping every host")
-                elif early is not None:
-                    view.message(f"{early.cause_phrase}; stopping the trainer on every host that answers")
-            except Exception as err:  # reported, then the stop
-                view.log(f"trainer launch: the failure could not be diagnosed before the stop: {err!r}")
-            skipped = set(early.lost) if early is not None and leave_lost else set()
-            stopped = self.stop(
-                monitor,
-                stacks=stall is not None and plan.runs_bundled_trainer,
-                record=self._stop_record(early),
-                release=final,
-                skip=skipped,
+            skipped, stopped = self._stop_failed(monitor, result, view, final=final, leave_lost=leave_lost)
+        return self._diagnosed(monitor, stall, stopped, skipped, view)
+
+    def _interrupted(self, monitor: JobMonitor, view: LiveView) -> Outcome:
+        view.message("interrupted: stopping the trainer on every host (wait for it)")
+        stopped = self.stop(
+            monitor,
+            record=self._stop_record(None, "interrupted", "Ctrl-C, TERM or HUP"),
+            release=True,
+        )
+        view.states(monitor.ordered)
+        self._report_stop_problems(stopped, view)
+        view.message(f"interrupted: the trainer is stopped on all hosts (run {self.plan.run_name})")
+        return Outcome(INTERRUPTED, "interrupted")
+
+    def _settled(self, events: FollowEvents, view: LiveView) -> Outcome | None:
+        """How the attempt ended when no stop of this launcher's is needed to say it: the run's lock
+        refused, a failed probe or start (stopped by _start_failed), every node done, or the run
+        stopped from outside; None when it failed or stalled."""
+        plan, monitor = self.plan, events.monitor
+        if events.lock_refused:
+            view.message(f"[red]trainer launch: run {plan.run_name} is locked[/red]")
+            view.log(self.lock.refusal(events.lock_refused[0]))
+            return Outcome(exitcodes.CONFIG_ERROR, "locked", [], "the run is locked by another launch")
+        if isinstance(events, StartEvents) and events.failures:
+            # Every node told to start may run its trainer (a start that failed by timing out may have
+            # started it after all): each is stopped, a node with nothing running answers so.
+            may_run = events.started | events.handshake.told_to_start
+            return self._start_failed(events.failures, may_run, view, monitor)
+        if monitor.all_done:
+            view.message(
+                f"[green]done[/green]: run {plan.run_name} finished on all {len(monitor.hosts)} node(s); "
+                f"output in {plan.output_dir}"
             )
-            view.states(monitor.ordered)
+            return Outcome(exitcodes.OK, "done")
+        stopped = [hs.host for hs in monitor.ordered if hs.state == "stopped"]
+        if stopped and not any(hs.failed and not hs.only_consequence for hs in monitor.ordered):
+            # This launcher has stopped nothing yet: `trainer stop` (or another follower's stop) did,
+            # and a peer that failed meanwhile lost its collective to that stop.
+            view.message(
+                f"[yellow]stopped[/yellow]: run {plan.run_name} was stopped on {', '.join(stopped)} from "
+                f"outside this launcher (trainer stop); nothing is restarted. Who stopped it: "
+                f"{plan.launch_dir}/history.jsonl"
+            )
+            return Outcome(INTERRUPTED, "stopped", [], "stopped by trainer stop")
+        return None
+
+    def _stop_failed(
+        self, monitor: JobMonitor, result: PlaybookResult, view: LiveView, *, final: bool, leave_lost: bool
+    ) -> tuple[set[str], PlaybookResult]:
+        """A node failed or the job stalled: say so, then stop every node (a stall's with the stacks
+        first) but the lost ones with `leave_lost`. The hosts left alone, and the stop's result."""
+        plan, stall = self.plan, monitor.stall
+        early = None
+        try:  # nothing the nodes reported may keep the stop below from happening
+            if not monitor.must_stop and result.output.strip():
+                view.message("[red]trainer launch: the launch playbook ended early[/red]")
+                view.log(result.output.strip()[-2000:])
+            # What is known now names the cause in the history record the stop writes; the stop's own
+            # answers (a node that does not answer it) complete it for the report (_diagnosed).
+            early = diagnose(monitor, bundled=plan.runs_bundled_trainer)
+            if stall is not None:
+                view.message(f"stalled ({stall.summary}): collecting stacks, then stopping every host")
+            elif early is not None:
+                view.message(f"{early.cause_phrase}; stopping the trainer on every host that answers")
+        except Exception as err:  # reported, then the stop
+            view.log(f"trainer launch: the failure could not be diagnosed before the stop: {err!r}")
+        skipped = set(early.lost) if early is not None and leave_lost else set()
+        stopped = self.stop(
+            monitor,
+            stacks=stall is not None and plan.runs_bundled_trainer,
+            record=self._stop_record(early),
+            release=final,
+            skip=skipped,
+        )
+        view.states(monitor.ordered)
+        return skipped, stopped
+
+    def _diagnosed(
+        self,
+        monitor: JobMonitor,
+        stall: Stall | None,
+        stopped: PlaybookResult,
+        skipped: set[str],
+        view: LiveView,
+    ) -> Outcome:
+        """The failed attempt's cause and consequences (failure.py), shown, as its Outcome."""
+        plan = self.plan
         diagnosis = diagnose(monitor, bundled=plan.runs_bundled_trainer)
         # Each host's stop report: the head's names the latest checkpoint; a stall's carry the stacks.
         reports = {
@@ -795,7 +732,7 @@ class Launcher:
             for item in items
             if item.task == STOP_TASK
         }
-        latest = str(reports.get(topo.head.host, {}).get("latest_checkpoint") or "")
+        latest = str(reports.get(plan.topology.head.host, {}).get("latest_checkpoint") or "")
         self._report_stop_problems(stopped, view, skipped=sorted(skipped))
         if diagnosis is None:
             view.message("[red]trainer launch: watching the trainer failed[/red]")
@@ -852,7 +789,7 @@ class Launcher:
 
     def _start_failed(
         self,
-        failures: list[tuple[str, str, str, str]],
+        failures: list[StepFailure],
         started: set[str],
         view: LiveView,
         monitor: JobMonitor,
