@@ -22,7 +22,13 @@ WORKERS_GROUP = "workers"
 CLUSTER_GROUP = "cluster"
 
 
-class InventoryError(ValueError):
+class PlanningError(ValueError):
+    """The job cannot be planned from what it was given: the inventory (InventoryError), the topology
+    it describes (topology.TopologyError), the trainer config or the command line (plan.PlanError).
+    Every command that plans catches this one class; the message names the problem and the fix."""
+
+
+class InventoryError(PlanningError):
     """The inventory cannot describe a cluster; the message names the problem and the fix."""
 
 

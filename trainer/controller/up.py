@@ -36,11 +36,11 @@ from trainer.controller.inventory import (
     WORKERS_GROUP,
     Cluster,
     InventoryError,
+    PlanningError,
     load_cluster,
 )
 from trainer.controller.launcher import launch, launch_cli
-from trainer.controller.launcher.plan import JobPlan, PlanError, add_job_arguments
-from trainer.controller.launcher.topology import TopologyError
+from trainer.controller.launcher.plan import JobPlan, add_job_arguments, plan_from_args
 from trainer.controller.preflight.checks import CHECKS
 from trainer.redaction import REDACTED, redact_override, secret_env
 
@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
         if start_at == 0:
             check_provisioning_rules(cluster)
         preflight_args = preflight_arguments(args)
-        plan = launch_cli.replanner(args, cluster)(set(), [])
-    except (InventoryError, TopologyError, PlanError) as err:
+        plan = plan_from_args(args, cluster)
+    except PlanningError as err:
         print(f"trainer up: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     say(describe(plan, start_at))

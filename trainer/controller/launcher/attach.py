@@ -32,7 +32,7 @@ import sys
 
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
-from trainer.controller.inventory import InventoryError, load_cluster
+from trainer.controller.inventory import PlanningError, load_cluster
 from trainer.controller.launcher.launch import (
     Launcher,
     add_watch_arguments,
@@ -41,11 +41,10 @@ from trainer.controller.launcher.launch import (
     watch_options,
 )
 from trainer.controller.launcher.live import LiveView, printable
-from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, PlanError, make_plan
+from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.runlock import LockError, describe_holder, holder_state
 from trainer.controller.launcher.status import MALFORMED, launch_info, launched_nodes, launcher_alive
-from trainer.controller.launcher.topology import TopologyError
 
 EXAMPLES = ("trainer attach -i inventory/mycluster --run-name qwen-lora  # after its launcher died",)
 
@@ -64,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         configure_access(args)
         cluster = load_cluster(args.inventory)
         plan = make_plan(cluster, run_name=args.run_name)
-    except (InventoryError, TopologyError, PlanError) as err:
+    except PlanningError as err:
         print(f"trainer attach: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     info, _, problem = launch_info(plan)
@@ -76,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         # The launch's own nodes (--exclude-failed may have left some out) and kind of job.
         cluster = dataclasses.replace(cluster, workers=tuple(h for h in cluster.workers if h.name in nodes))
         plan = make_plan(cluster, run_name=args.run_name, command=tuple(info.get("command") or ()))
-    except (InventoryError, TopologyError, PlanError) as err:
+    except PlanningError as err:
         print(f"trainer attach: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     if {n.host: n.node_rank for n in plan.topology.nodes} != nodes:

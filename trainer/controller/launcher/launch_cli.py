@@ -7,13 +7,12 @@ modules the command line joins (launch, restarts, stop) do not import each other
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Callable
 
 from trainer import exitcodes
 from trainer.controller.access import configure_access
-from trainer.controller.inventory import Cluster, InventoryError, load_cluster
+from trainer.controller.inventory import Cluster, PlanningError, load_cluster
 from trainer.controller.launcher.launch import (
     Launcher,
     add_restart_arguments,
@@ -25,10 +24,9 @@ from trainer.controller.launcher.launch import (
     watch_options,
 )
 from trainer.controller.launcher.live import LiveView
-from trainer.controller.launcher.plan import COMMAND_EPILOG, JobPlan, PlanError, add_job_arguments, make_plan
+from trainer.controller.launcher.plan import COMMAND_EPILOG, JobPlan, add_job_arguments, plan_from_args
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.stop import stop_run
-from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.runner import PrestartedRun
 
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
@@ -56,20 +54,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def replanner(args: argparse.Namespace, cluster: Cluster) -> Callable[[set[str], list[str]], JobPlan]:
-    """make_plan again, from the same command line, without some hosts and with more --set."""
-
-    def replan(excluded: set[str], extra: list[str]) -> JobPlan:
-        return make_plan(
-            dataclasses.replace(cluster, workers=tuple(h for h in cluster.workers if h.name not in excluded)),
-            args.config,
-            (*args.overrides, *extra),
-            args.engine,
-            args.run_name,
-            command=tuple(getattr(args, "command", None) or ()),
-            env_options=tuple(args.env),
-        )
-
-    return replan
+    """The plan again, from the same command line, without some hosts and with more --set."""
+    return lambda excluded, extra: plan_from_args(args, cluster, excluded, extra)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
                 early = prestart(args)
             # Loaded once: a restart that leaves a node out plans again from the same inventory.
             cluster = load_cluster(args.inventory)
-            plan = replanner(args, cluster)(set(), [])
-        except (InventoryError, TopologyError, PlanError) as err:
+            plan = plan_from_args(args, cluster)
+        except PlanningError as err:
             print(f"trainer launch: {err}", file=sys.stderr)
             return exitcodes.CONFIG_ERROR
         if args.stop:

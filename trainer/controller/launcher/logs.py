@@ -24,9 +24,9 @@ from trainer import exitcodes
 from trainer.controller.access import add_access_arguments
 from trainer.controller.forks import forks_for
 from trainer.controller.forks import limits as forks_limits
-from trainer.controller.inventory import InventoryError
+from trainer.controller.inventory import PlanningError
 from trainer.controller.launcher.live import printable
-from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError
+from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan
 from trainer.controller.launcher.status import (
     COMMAND_TIMEOUT_S,
     MALFORMED,
@@ -39,7 +39,6 @@ from trainer.controller.launcher.status import (
     read_nodes,
     report_of,
 )
-from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.runner import run_playbook
 
 EXAMPLES = (
@@ -99,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         return exitcodes.CONFIG_ERROR
     try:
         plan = plan_for_status(args)
-    except (InventoryError, TopologyError, PlanError) as err:
+    except PlanningError as err:
         print(f"trainer logs: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     # The head first: its launch.json names the launch's nodes (after --exclude-failed, not the

@@ -11,20 +11,21 @@ shows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
-from trainer.controller.inventory import Cluster, InventoryError, load_cluster
+from trainer.controller.inventory import Cluster, PlanningError, load_cluster
 from trainer.controller.launcher import command_forms, config_sources
-from trainer.controller.launcher.topology import AUTO_IFNAME, Node, Topology, TopologyError, build_topology
+from trainer.controller.launcher.topology import AUTO_IFNAME, Node, Topology, build_topology
 from trainer.controller.training_env import (
     IB_AUTO,
     IB_DEVICES_DIR,
@@ -41,7 +42,7 @@ DEFAULT_RUN_NAME = "default"
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-class PlanError(ValueError):
+class PlanError(PlanningError):
     """The job cannot be planned; the message names the problem and the fix."""
 
 
@@ -288,7 +289,8 @@ def make_plan(
     env_options: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> JobPlan:
-    """Everything `trainer launch` needs, checked; raises InventoryError, TopologyError or PlanError.
+    """Everything `trainer launch` needs, checked; raises a PlanningError (InventoryError, TopologyError
+    or PlanError).
 
     `inventory` is a path, or a Cluster already built (`trainer sbatch --nodes N` has no inventory).
     `command` is the user's own command for every node (empty: the bundled trainer); `env_options`
@@ -475,12 +477,24 @@ EXAMPLES = (
 )
 
 
-def plan_from_args(args: argparse.Namespace) -> JobPlan:
-    configure_access(args)  # sudo/vault passwords (trainer.controller.access)
+def plan_from_args(
+    args: argparse.Namespace,
+    cluster: Cluster | None = None,
+    excluded: Set[str] = frozenset(),
+    extra: Sequence[str] = (),
+) -> JobPlan:
+    """The job a command line of add_job_arguments describes, from `cluster` (one already loaded, or
+    made without an inventory: `trainer sbatch --nodes N`) or else args.inventory; without the
+    `excluded` hosts and with `extra` --set after the user's (a restart that leaves nodes out)."""
+    source: str | Cluster = args.inventory if cluster is None else cluster
+    if excluded:
+        assert isinstance(source, Cluster), "hosts are left out of a cluster already loaded"
+        kept = tuple(h for h in source.workers if h.name not in excluded)
+        source = dataclasses.replace(source, workers=kept)
     return make_plan(
-        args.inventory,
+        source,
         args.config,
-        tuple(args.overrides),
+        (*args.overrides, *extra),
         args.engine,
         args.run_name,
         command=tuple(getattr(args, "command", None) or ()),
@@ -618,8 +632,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainer plan: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     try:
+        configure_access(args)  # sudo/vault passwords (trainer.controller.access)
         plan = plan_from_args(args)
-    except (InventoryError, TopologyError, PlanError) as err:
+    except PlanningError as err:
         print(f"trainer plan: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     if args.json:

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer import exitcodes
-from trainer.controller.inventory import InventoryError
+from trainer.controller.inventory import PlanningError
 from trainer.controller.launcher.failure import Outcome
 from trainer.controller.launcher.live import node_text
-from trainer.controller.launcher.plan import JobPlan, PlanError
-from trainer.controller.launcher.topology import TopologyError
+from trainer.controller.launcher.plan import JobPlan
 
 if TYPE_CHECKING:
     from trainer.controller.launcher.live import LiveView
@@ -295,7 +294,7 @@ class RestartPolicy:
             batch_text = ", ".join(parts)
         try:
             new_plan = self.replan(self.excluded | set(hosts), overrides)
-        except (InventoryError, TopologyError, PlanError) as err:
+        except PlanningError as err:
             view.message(f"[red]not restarted[/red]: without {names} the job cannot be planned: {err}")
             return None
         self.excluded |= set(hosts)

@@ -20,10 +20,16 @@ from pathlib import Path
 
 from trainer import exitcodes
 from trainer.controller.access import configure_access
-from trainer.controller.inventory import Cluster, Host, InventoryError
-from trainer.controller.launcher.plan import COMMAND_EPILOG, JobPlan, PlanError, add_job_arguments, make_plan
+from trainer.controller.inventory import Cluster, Host, PlanningError
+from trainer.controller.launcher.plan import (
+    COMMAND_EPILOG,
+    JobPlan,
+    PlanError,
+    add_job_arguments,
+    plan_from_args,
+)
 from trainer.controller.launcher.scheduler import BatchOptions, pbs_script, private_files, slurm_script
-from trainer.controller.launcher.topology import DEFAULT_MASTER_PORT, TopologyError
+from trainer.controller.launcher.topology import DEFAULT_MASTER_PORT
 
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
 TAKES_COMMAND = True
@@ -102,26 +108,18 @@ def write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def plan_from_args(args: argparse.Namespace) -> JobPlan:
+def batch_plan(args: argparse.Namespace) -> JobPlan:
+    """The job from -i INVENTORY, or from --nodes N and --gpus-per-node G without one."""
     if args.inventory and args.nodes is not None:
         raise PlanError("give either -i INVENTORY or --nodes N, not both")
     configure_access(args)  # vault passwords for a vaulted inventory (trainer.controller.access)
-    source = args.inventory or cluster_from_options(args)
-    return make_plan(
-        source,
-        args.config,
-        tuple(args.overrides),
-        args.engine,
-        args.run_name,
-        command=tuple(args.command or ()),
-        env_options=tuple(args.env),
-    )
+    return plan_from_args(args, None if args.inventory else cluster_from_options(args))
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = plan_from_args(args)
-    except (InventoryError, TopologyError, PlanError) as err:
+        plan = batch_plan(args)
+    except PlanningError as err:
         print(f"trainer sbatch: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     options = BatchOptions(time_limit=args.time, partition=args.partition, cpus_per_task=args.cpus_per_task)

@@ -19,11 +19,10 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.forks import forks_for
-from trainer.controller.inventory import InventoryError
+from trainer.controller.inventory import PlanningError
 from trainer.controller.launcher.live import printable
-from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError, make_plan
+from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state, time_text
-from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.runner import PlaybookResult, run_playbook
 
 PLAYBOOKS = Path(__file__).parent / "playbooks"
@@ -154,7 +153,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_for_status(args)
-    except (InventoryError, TopologyError, PlanError) as err:
+    except PlanningError as err:
         print(f"trainer status: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     info, head_report, problem = launch_info(plan, args.lines)

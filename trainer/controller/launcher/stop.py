@@ -22,13 +22,12 @@ from typing import Any
 
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
-from trainer.controller.inventory import Cluster, InventoryError, load_cluster
+from trainer.controller.inventory import Cluster, PlanningError, load_cluster
 from trainer.controller.launcher.launch import STOP_TASK, Launcher, WatchOptions
 from trainer.controller.launcher.live import LiveView, node_text, printable
-from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, PlanError, make_plan
+from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state
 from trainer.controller.launcher.status import MALFORMED, launch_info, launched_nodes
-from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.runner import PlaybookResult
 
 EXAMPLES = (
@@ -61,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         configure_access(args)
         cluster = load_cluster(args.inventory)
-    except (InventoryError, TopologyError, PlanError) as err:
+    except PlanningError as err:
         print(f"trainer stop: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     return stop_run(cluster, args.run_name, WatchOptions(stop_grace_s=args.stop_grace), "trainer stop")
@@ -84,7 +83,7 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
             # The head does not answer, or started nothing of a run that exists (its start failed):
             # the inventory's nodes are the best guess of where the launch runs.
             view.message(f"{node_text(problem)}: stopping the run on every node of the inventory")
-    except (InventoryError, TopologyError, PlanError, StopError) as err:
+    except (PlanningError, StopError) as err:
         print(f"{verb}: {printable(str(err))}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     launcher = Launcher(plan, options, command=verb)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.controller.inventory import Cluster, Host
+from trainer.controller.inventory import Cluster, Host, PlanningError
 from trainer.controller.training_env import IB_AUTO, ib_disable_problem, ib_disable_value
 
 #: cluster_nccl_socket_ifname value that means "the interface holding the host's cluster_ip".
@@ -25,7 +25,7 @@ AUTO_IFNAME = "auto"
 DEFAULT_MASTER_PORT = 29500
 
 
-class TopologyError(ValueError):
+class TopologyError(PlanningError):
     """The inventory cannot be turned into a training job; the message names the problem and the fix."""
 
 
