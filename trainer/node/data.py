@@ -41,8 +41,10 @@ class DataConfig:
     allow_dataset_oversubscription: bool = False
     """If the dataset cannot fill one effective batch, raise `repeats` to the minimum that can (logged)
     instead of stopping with an error."""
+    # The formats' registry's names (trainer.node.hf.formats.names(), tests/unit/node/test_data_formats.py),
+    # written out: the config loader and a reader of this class see them here.
     format: Literal[
-        "auto", "alpaca", "sharegpt", "conversations", "messages", "prompt_completion", "text"
+        "auto", "messages", "sharegpt", "conversations", "alpaca", "prompt_completion", "text"
     ] = "auto"
     """With a Hugging Face model, the shape of data.path's records (docs/data.md): `alpaca` (instruction,
     input, output, optional system), `sharegpt` (a `conversations` list of from/value or role/content

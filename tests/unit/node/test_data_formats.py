@@ -241,3 +241,25 @@ def test_a_named_template_or_a_jinja_file_renders_the_chats(tokenizer, llama3_to
         "### Question: Hi\n### Answer: Hello there.<|endoftext|>\n"
     )
     assert trained(tokenizer, custom) == "Hello there.<|endoftext|>\n"
+
+
+def test_the_formats_registry_is_the_one_list_the_config_checks_and_docs_follow():
+    """A format added to trainer.node.hf.formats.FORMATS (or an alias) is a name data.format takes, a
+    name the data.datasets check takes, and a format docs/data.md describes; none of them lists one
+    the registry lacks."""
+    import re
+    import typing
+    from dataclasses import fields
+    from pathlib import Path
+
+    from trainer.node.data import DataConfig
+    from trainer.node.hf import data_keys, formats
+
+    annotation = next(f.type for f in fields(DataConfig) if f.name == "format")
+    literal = typing.get_args(eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation)
+    assert literal == formats.names() == data_keys.FORMATS
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "data.md").read_text()
+    section = docs.split("## Formats", 1)[1].split("\n## ", 1)[0]
+    assert set(re.findall(r"^\*\*(\w+)\*\*", section, flags=re.MULTILINE)) == set(formats.FORMATS)
+    for alias, name in formats.ALIASES.items():
+        assert f"**{name}** (also accepted as `{alias}`" in section

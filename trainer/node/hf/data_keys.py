@@ -12,12 +12,14 @@ import re
 from typing import Any
 
 from trainer.configerror import ConfigError
+from trainer.node.hf import formats
 from trainer.redaction import has_url_credentials
 
 #: data.datasets entries' keys, and the names other tools give them (answered, not accepted).
 ENTRY_KEYS = ("path", "format", "weight", "columns", "split")
 FOREIGN_ENTRY_KEYS = {"type": "format", "data_files": "path", "ds_type": "path (its suffix decides)"}
-FORMATS = ("auto", "alpaca", "sharegpt", "conversations", "messages", "prompt_completion", "text")
+#: What data.format takes: the formats' registry (trainer.node.hf.formats), with `auto`.
+FORMATS = formats.names()
 
 
 def check_data_config(data: Any) -> None:

@@ -18,28 +18,12 @@ the field and the fix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from trainer.configerror import ConfigError
 
-#: The fields that make each format, in the order `auto` tries them.
-SIGNATURES = {
-    "messages": ("messages",),
-    "sharegpt": ("conversations",),
-    "alpaca": ("instruction", "output"),
-    "prompt_completion": ("prompt", "completion"),
-    "text": ("text",),
-}
-#: How each format's fields are described in a fix ("records have instruction/input/output").
-SHAPES = {
-    "messages": "messages (role/content)",
-    "sharegpt": "conversations (from/value)",
-    "alpaca": "instruction/input/output",
-    "prompt_completion": "prompt/completion",
-    "text": "text",
-}
-ALIASES = {"conversations": "sharegpt"}
 ROLES = {
     "system": "system",
     "user": "user",
@@ -51,6 +35,24 @@ ROLES = {
     "observation": "tool",
 }
 ROLE_NAMES = "system, user, assistant, tool (human/gpt are user/assistant, observation is tool)"
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """One shape of record: the registry below (FORMATS) is the one list of them; data.format's config
+    type, data_keys' checks and docs/data.md follow it (tests/unit/node/test_data_formats.py)."""
+
+    name: str
+    """What data.format (and a data.datasets entry's format) takes."""
+    fields: tuple[str, ...]
+    """The fields that make it: `auto` picks the first format, in the registry's order, whose fields a
+    record has all of."""
+    shape: str
+    """How its fields are described in a fix ("records have instruction/input/output")."""
+    read: Callable[[dict, str, str], Example]
+    """record, where, key -> its Example (ConfigError naming the field and the fix)."""
+    aliases: tuple[str, ...] = ()
+    """Other names data.format takes for it (the Qwen guide's `conversations`)."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +69,17 @@ def canonical(data_format: str) -> str:
     return ALIASES.get(data_format, data_format)
 
 
+def names() -> tuple[str, ...]:
+    """Every name data.format takes: `auto`, then each format's name and aliases, in registry order."""
+    return ("auto", *(name for f in FORMATS.values() for name in (f.name, *f.aliases)))
+
+
 def looks_like(record: Any) -> str | None:
     """The format whose fields a record has, or None."""
     if isinstance(record, dict):
-        for name, fields in SIGNATURES.items():
-            if all(record.get(f) is not None for f in fields):
-                return name
+        for data_format in FORMATS.values():
+            if all(record.get(f) is not None for f in data_format.fields):
+                return data_format.name
     return None
 
 
@@ -88,34 +95,28 @@ def detect(record: Any, configured: str, where: str, key: str) -> tuple[str, str
         raise ConfigError(
             f"{section}.format",
             f"cannot tell the format of {where} (fields: {fields}); records need "
-            f"{', '.join(f'{SHAPES[n]} ({n})' for n in SIGNATURES)}: map your field names with "
+            f"{', '.join(f'{f.shape} ({f.name})' for f in FORMATS.values())}: map your field names with "
             f"{section}.columns (e.g. {{prompt: question, completion: answer}}) and set {section}.format",
         )
-    return found, f"format auto -> {found} (records have {SHAPES[found]})"
+    return found, f"format auto -> {found} (records have {FORMATS[found].shape})"
 
 
 def to_example(record: Any, data_format: str, where: str, key: str) -> Example:
     """The Example of one record in data_format; ConfigError naming where, the field and the fix."""
     if not isinstance(record, dict):
         raise ConfigError(key, f"{where}: a record must be a mapping of fields (got {type(record).__name__})")
-    reader = {
-        "alpaca": _alpaca,
-        "sharegpt": _sharegpt,
-        "messages": _messages,
-        "prompt_completion": _prompt_completion,
-        "text": _text,
-    }[data_format]
-    missing = [f for f in SIGNATURES[data_format] if record.get(f) is None]
+    spec = FORMATS[data_format]
+    missing = [f for f in spec.fields if record.get(f) is None]
     if missing:
         raise _missing(record, data_format, where, key, missing[0])
-    return reader(record, where, key)
+    return spec.read(record, where, key)
 
 
 def _missing(record: dict, data_format: str, where: str, key: str, field: str) -> ConfigError:
     section = key.rsplit(".", 1)[0]
     other = looks_like(record)
     if other and other != data_format:
-        fix = f"records have {SHAPES[other]}: set {section}.format: {other}"
+        fix = f"records have {FORMATS[other].shape}: set {section}.format: {other}"
     else:
         fix = (
             f"map the field that holds it with {section}.columns (e.g. {{{field}: your_name}}), or set "
@@ -252,3 +253,24 @@ def _prompt_completion(record: dict, where: str, key: str) -> Example:
 
 def _text(record: dict, where: str, key: str) -> Example:
     return Example(text=_string(record["text"], where, "text", key, empty_ok=False))
+
+
+#: Every format, in the order `auto` tries them (the one list: see DataFormat).
+FORMATS: dict[str, DataFormat] = {
+    f.name: f
+    for f in (
+        DataFormat("messages", ("messages",), "messages (role/content)", _messages),
+        DataFormat(
+            "sharegpt",
+            ("conversations",),
+            "conversations (from/value)",
+            _sharegpt,
+            aliases=("conversations",),
+        ),
+        DataFormat("alpaca", ("instruction", "output"), "instruction/input/output", _alpaca),
+        DataFormat("prompt_completion", ("prompt", "completion"), "prompt/completion", _prompt_completion),
+        DataFormat("text", ("text",), "text", _text),
+    )
+}
+#: Another name -> the format's own.
+ALIASES = {alias: f.name for f in FORMATS.values() for alias in f.aliases}
