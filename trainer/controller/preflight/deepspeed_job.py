@@ -32,13 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.controller.inventory import Cluster, InventoryError
+from trainer.controller.inventory import Cluster, PlanningError
 from trainer.controller.launcher.launch import INTERRUPTED, Launcher, WatchOptions
 from trainer.controller.launcher.live import STEP_LINE, HostState, JobMonitor, LiveView
 from trainer.controller.launcher.live import Stall as LauncherStall
-from trainer.controller.launcher.plan import JobPlan, PlanError, make_plan
+from trainer.controller.launcher.plan import JobPlan, make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
-from trainer.controller.launcher.topology import TopologyError
 from trainer.controller.preflight.report import FAIL, PASS, Result
 
 CHECK = "deepspeed"
@@ -355,7 +354,7 @@ def run_check(
     run_name = f"preflight-deepspeed-{secrets.token_hex(4)}"
     try:
         plan = job_plan(cluster, run_name)
-    except (InventoryError, TopologyError, PlanError) as err:
+    except PlanningError as err:
         return [
             Result(
                 CHECK,

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import re
 
-from trainer.controller.inventory import Cluster, InventoryError
-from trainer.controller.launcher.plan import JobPlan, PlanError, make_plan
-from trainer.controller.launcher.topology import TopologyError
+from trainer.controller.inventory import Cluster, PlanningError
+from trainer.controller.launcher.plan import JobPlan, make_plan
 from trainer.controller.preflight.report import FAIL, PASS, Result
 
 CHECK = "topology"
@@ -27,7 +26,7 @@ def evaluate(cluster: Cluster) -> tuple[list[Result], JobPlan | None]:
     """([result], the plan when it could be made)."""
     try:
         plan = make_plan(cluster)
-    except (TopologyError, PlanError, InventoryError) as err:
+    except PlanningError as err:
         message = str(err)
         hosts = _named_hosts(cluster, message)
         problem, _, remedy = message.rpartition("; ")
