@@ -117,3 +117,20 @@ def test_forms_that_form_one_job_pass():
         ["bash", "train.sh"],
     ):
         assert problem(command, 3) is None, command
+
+
+def test_every_recognised_launcher_has_its_row_in_the_docs_and_the_plans_reads():
+    """A launcher added to command_forms.FORMS gets a row in docs/own-command.md's table of launchers
+    and what the plan shows it reads; no row names a launcher the registry lacks."""
+    import re
+    from pathlib import Path
+
+    from trainer.controller.launcher.command_forms import FORMS, READS
+
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "own-command.md").read_text()
+    table = docs.split("## Launchers written after `--`", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `-- (?:python -m \S+ )?(\S+)", table, flags=re.MULTILINE)
+    assert set(rows) == set(FORMS), rows
+    assert set(READS) == set(FORMS) and all(READS.values())
+    for form in FORMS.values():
+        assert launcher_of([form.program, *form.subcommand, "train.py"])[0] == form.name

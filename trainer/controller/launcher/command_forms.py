@@ -30,7 +30,7 @@ join one job. Controller side only: pure functions of the command and the node's
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
@@ -40,20 +40,6 @@ DEEPSPEED = "deepspeed"
 #: `python -m MODULE` forms of the launchers.
 _MODULES = {"torch.distributed.run": TORCHRUN, "torch.distributed.launch": TORCHRUN}
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
-
-#: What each launcher reads from the environment the launcher gives every node (shown by the plan).
-READS = {
-    TORCHRUN: (
-        "PET_NNODES",
-        "PET_NODE_RANK",
-        "PET_NPROC_PER_NODE",
-        "PET_MASTER_ADDR",
-        "PET_MASTER_PORT",
-        "PET_RDZV_BACKEND",
-    ),
-    ACCELERATE: ("--config_file (this node's accelerate-nodeN.yaml)", "ACCELERATE_USE_CPU on CPU nodes"),
-    DEEPSPEED: ("--hostfile (the run's hostfile)", "--node_rank", "--master_addr", "--master_port"),
-}
 
 
 @dataclass(frozen=True)
@@ -78,17 +64,34 @@ class Form:
     """The arguments the launcher added to the user's command (the plan shows them)."""
 
 
+@dataclass(frozen=True)
+class LauncherForm:
+    """One launcher the launcher recognises, and how its command is made to form one job (FORMS)."""
+
+    name: str
+    """torchrun | accelerate | deepspeed: what the plan and the start say the command runs."""
+    program: str
+    """The command's first word (its base name) that starts it."""
+    reads: tuple[str, ...]
+    """What it reads from what the launcher gives every node (the plan shows it)."""
+    problem: Callable[[dict[str, str | None], str, int], str | None]
+    """(its own options, the command as shown, nnodes) -> why it cannot form one job, with the fix."""
+    added: Callable[[dict[str, str | None], NodeValues], tuple[str, ...]] = lambda options, node: ()
+    """(its own options, this node's values) -> the arguments added before them on this node."""
+    subcommand: tuple[str, ...] = ()
+    """The words after the program that make it this launcher (`accelerate launch`)."""
+    adapts_one_node: bool = False
+    """Its command is rewritten on a one-node job too (accelerate's default config file is the user's)."""
+
+
 def launcher_of(command: Sequence[str]) -> tuple[str | None, int]:
     """(the launcher the command starts, the index of its first own argument), or (None, 0)."""
     if not command:
         return None, 0
     program = PurePosixPath(command[0]).name
-    if program == TORCHRUN:
-        return TORCHRUN, 1
-    if program == ACCELERATE and len(command) > 1 and command[1] == "launch":
-        return ACCELERATE, 2
-    if program == DEEPSPEED:
-        return DEEPSPEED, 1
+    for form in FORMS.values():
+        if program == form.program and tuple(command[1 : 1 + len(form.subcommand)]) == form.subcommand:
+            return form.name, 1 + len(form.subcommand)
     if _PYTHON.fullmatch(program):
         # python's own flags (-u, -X dev, ...) may come before -m
         for index, arg in enumerate(command[1:-1], start=1):
@@ -206,40 +209,65 @@ def problem(command: Sequence[str], nnodes: int) -> str | None:
     launcher, start = launcher_of(command)
     if launcher is None or nnodes < 2:
         return None
-    options = _options(command[start:])
     shown = " ".join(command[: start + 1]) + " ..."
-    same_everywhere = "is the same on every node"
-    if launcher == TORCHRUN:
-        if "standalone" in options:
-            return (
-                f"`{shown}` with --standalone starts a separate single-node job on each of the "
-                f"{nnodes} nodes; fix: drop --standalone (the launcher gives torchrun the job's "
-                "nodes, rank, master and port in PET_* variables)"
-            )
-        nnodes_given = options.get("nnodes")
-        if nnodes_given is not None and nnodes_given.split(":")[-1] != str(nnodes):
-            return (
-                f"`{shown}` says --nnodes {nnodes_given} but the inventory has {nnodes} nodes; fix: "
-                "drop --nnodes (PET_NNODES carries it) or give it the inventory's node count"
-            )
-        if options.get("node_rank") is not None:
-            return (
-                f"`{shown}` gives --node-rank {options['node_rank']}, which {same_everywhere}; "
-                "fix: drop it (PET_NODE_RANK carries each node's rank)"
-            )
-    if launcher == ACCELERATE:
-        machines = options.get("num_machines")
-        if machines is not None and machines != str(nnodes):
-            return (
-                f"`{shown}` says --num_machines {machines} but the inventory has {nnodes} nodes; fix: "
-                "drop it (each node's generated config file says it)"
-            )
-        if options.get("machine_rank") is not None:
-            return (
-                f"`{shown}` gives --machine_rank {options['machine_rank']}, which {same_everywhere}; "
-                "fix: drop it (each node's generated config file carries its rank)"
-            )
-    if launcher == DEEPSPEED and "no_ssh" not in options and "hostfile" in options:
+    return FORMS[launcher].problem(_options(command[start:]), shown, nnodes)
+
+
+def adapt(command: Sequence[str], node: NodeValues) -> Form:
+    """The command as `node` runs it: accelerate gets this node's config file, deepspeed the
+    one-node-per-node form; torchrun reads the PET_* environment and is run as given."""
+    launcher, start = launcher_of(command)
+    command = tuple(command)
+    if launcher is None:
+        return Form(launcher, command)
+    form = FORMS[launcher]
+    if node.nnodes < 2 and not form.adapts_one_node:
+        return Form(launcher, command)
+    added = form.added(_options(command[start:]), node)
+    return Form(launcher, command[:start] + added + command[start:], added)
+
+
+SAME_EVERYWHERE = "is the same on every node"
+
+
+def _torchrun_problem(options: dict[str, str | None], shown: str, nnodes: int) -> str | None:
+    if "standalone" in options:
+        return (
+            f"`{shown}` with --standalone starts a separate single-node job on each of the "
+            f"{nnodes} nodes; fix: drop --standalone (the launcher gives torchrun the job's "
+            "nodes, rank, master and port in PET_* variables)"
+        )
+    nnodes_given = options.get("nnodes")
+    if nnodes_given is not None and nnodes_given.split(":")[-1] != str(nnodes):
+        return (
+            f"`{shown}` says --nnodes {nnodes_given} but the inventory has {nnodes} nodes; fix: "
+            "drop --nnodes (PET_NNODES carries it) or give it the inventory's node count"
+        )
+    if options.get("node_rank") is not None:
+        return (
+            f"`{shown}` gives --node-rank {options['node_rank']}, which {SAME_EVERYWHERE}; "
+            "fix: drop it (PET_NODE_RANK carries each node's rank)"
+        )
+    return None
+
+
+def _accelerate_problem(options: dict[str, str | None], shown: str, nnodes: int) -> str | None:
+    machines = options.get("num_machines")
+    if machines is not None and machines != str(nnodes):
+        return (
+            f"`{shown}` says --num_machines {machines} but the inventory has {nnodes} nodes; fix: "
+            "drop it (each node's generated config file says it)"
+        )
+    if options.get("machine_rank") is not None:
+        return (
+            f"`{shown}` gives --machine_rank {options['machine_rank']}, which {SAME_EVERYWHERE}; "
+            "fix: drop it (each node's generated config file carries its rank)"
+        )
+    return None
+
+
+def _deepspeed_problem(options: dict[str, str | None], shown: str, nnodes: int) -> str | None:
+    if "no_ssh" not in options and "hostfile" in options:
         return (
             f"`{shown}` with --hostfile starts the whole job over pdsh from every node it runs on "
             f"({nnodes} copies of the job); fix: drop --hostfile, and the launcher starts each node's "
@@ -249,23 +277,57 @@ def problem(command: Sequence[str], nnodes: int) -> str | None:
     return None
 
 
-def adapt(command: Sequence[str], node: NodeValues) -> Form:
-    """The command as `node` runs it: accelerate gets this node's config file, deepspeed the
-    one-node-per-node form; torchrun reads the PET_* environment and is run as given."""
-    launcher, start = launcher_of(command)
-    command = tuple(command)
-    if launcher is None or (node.nnodes < 2 and launcher != ACCELERATE):
-        return Form(launcher, command)
-    options = _options(command[start:])
-    added: tuple[str, ...] = ()
-    if launcher == ACCELERATE and "config_file" not in options:
-        added = ("--config_file", node.accelerate_config)
-    elif launcher == DEEPSPEED and "no_ssh" not in options:
-        added = (
-            "--no_ssh",
-            f"--node_rank={node.node_rank}",
-            f"--hostfile={node.hostfile}",
-            *(() if "master_addr" in options else (f"--master_addr={node.master_addr}",)),
-            *(() if "master_port" in options else (f"--master_port={node.master_port}",)),
-        )
-    return Form(launcher, command[:start] + added + command[start:], added)
+def _accelerate_added(options: dict[str, str | None], node: NodeValues) -> tuple[str, ...]:
+    return () if "config_file" in options else ("--config_file", node.accelerate_config)
+
+
+def _deepspeed_added(options: dict[str, str | None], node: NodeValues) -> tuple[str, ...]:
+    if "no_ssh" in options:
+        return ()
+    return (
+        "--no_ssh",
+        f"--node_rank={node.node_rank}",
+        f"--hostfile={node.hostfile}",
+        *(() if "master_addr" in options else (f"--master_addr={node.master_addr}",)),
+        *(() if "master_port" in options else (f"--master_port={node.master_port}",)),
+    )
+
+
+#: Every launcher form the launcher recognises, in the order the module's docstring and docs/launch.md
+#: describe them (the one list: tests/unit/controller/test_command_forms.py ties the docs to it).
+FORMS: dict[str, LauncherForm] = {
+    form.name: form
+    for form in (
+        LauncherForm(
+            TORCHRUN,
+            program="torchrun",
+            reads=(
+                "PET_NNODES",
+                "PET_NODE_RANK",
+                "PET_NPROC_PER_NODE",
+                "PET_MASTER_ADDR",
+                "PET_MASTER_PORT",
+                "PET_RDZV_BACKEND",
+            ),
+            problem=_torchrun_problem,
+        ),
+        LauncherForm(
+            ACCELERATE,
+            program="accelerate",
+            subcommand=("launch",),
+            reads=("--config_file (this node's accelerate-nodeN.yaml)", "ACCELERATE_USE_CPU on CPU nodes"),
+            problem=_accelerate_problem,
+            added=_accelerate_added,
+            adapts_one_node=True,
+        ),
+        LauncherForm(
+            DEEPSPEED,
+            program="deepspeed",
+            reads=("--hostfile (the run's hostfile)", "--node_rank", "--master_addr", "--master_port"),
+            problem=_deepspeed_problem,
+            added=_deepspeed_added,
+        ),
+    )
+}
+#: What each launcher reads from the environment the launcher gives every node (shown by the plan).
+READS = {name: form.reads for name, form in FORMS.items()}
