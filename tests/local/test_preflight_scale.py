@@ -103,6 +103,32 @@ def test_a_refused_key_and_a_stopped_sshd_are_named_with_their_fixes(tmp_path, s
 NOT_BANDWIDTH = tuple(name for name in ("ssh", *OTHERS) if name != "bandwidth")
 
 
+def test_a_link_dropped_one_way_fails_that_pair_alone_and_no_test_waits_on_it(tmp_path, sim_workdir):
+    """n02's firewall drops new connections from n00 to the comm port range (SSH still open, replies
+    still let through, as ufw's `deny` would): the reach pass before the iperf3 rounds finds it in
+    seconds and names the direction; no one-off server waits out a client that can never reach it,
+    so the other pairs are measured as usual and pass (before: "unable to connect", a server waiting
+    106 s, 121 s of probe pass against 15 s healthy on this machine)."""
+    with netns.nodes(3, sim_workdir / "sim") as cluster:
+        head, n02 = cluster.addresses["n00"], cluster.namespaces[2]
+        subprocess.run(["ip", "netns", "exec", n02, "iptables", "-I", "INPUT", "-p", "tcp", "-s", head,
+                        "--dport", "1024:65535", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"],
+                       check=True)  # fmt: skip
+        report_path = tmp_path / "report.json"
+        out = subprocess.run(
+            [sys.executable, "-m", "trainer", "preflight", "-i", str(cluster.inventory), "--report",
+             str(report_path), "--skip", *(n for n in OTHERS if n not in ("master_port", "bandwidth"))],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    assert out.returncode == exitcodes.PREFLIGHT_FAILED, out.stdout + out.stderr
+    report = json.loads(report_path.read_text())
+    failed = [r for r in report["results"] if r["status"] not in ("pass", "skip")]
+    assert [(r["check"], r["subject"]) for r in failed] == [("bandwidth", "n00 <-> n02")], out.stdout
+    assert "n00 cannot open a connection to n02" in failed[0]["detail"], failed[0]
+    assert "(dropped)" in failed[0]["detail"] and "iptables -S INPUT" in failed[0]["fix"], failed[0]
+    print(f"one link dropped one way: probe pass {report['probe_duration_s']:.1f} s")
+
+
 def test_one_slow_link_is_named_after_a_second_longer_measurement(tmp_path, sim_workdir):
     """n05's egress shaped to 50 Mbit/s: every sampled pair with n05 is slow from n05, measured again
     (longer, on those hosts only) and still slow, and named with the direction and its fix; no other

@@ -116,6 +116,17 @@ def evaluate_pair(
     """A failed test is a failure; an outlier direction or a pair below the threshold a warning
     naming both hosts (the ZeRO advice comes once, after the matrix)."""
     subject = f"{client} <-> {server}"
+    if "open a connection to" in error:  # the reach pass (iperf_pair.py): the pair was not tested
+        return Result(
+            CHECK,
+            subject,
+            FAIL,
+            f"blocked between {client} and {server}: {error}",
+            fix=f"a firewall drops or refuses new connections between {client} and {server} on the "
+            "cluster comm port range while other pairs connect (a job would hang in its first "
+            f"collective): look for the rule with `iptables -S INPUT` and `ufw status numbered` on both; "
+            "ansible-playbook site.yml --tags firewall puts the cluster's rules back",
+        )
     if error or forward is None:
         return Result(
             CHECK,
@@ -228,7 +239,7 @@ def measure(
             client, server = pair["client"], pair["server"]
             answer = by_pair.get((client, server))
             started = servers.get(f"{server}#{scheduled['index']}") or {}
-            if started.get("started") is False and started.get("error"):
+            if started.get("started") is False and started.get("error") and not started.get("skipped"):
                 # The client's "unable to connect" would hide why; the server step names the cause.
                 found.pairs[(client, server)] = (None, None, f"{server}: {started['error']}")
             elif answer is None:

@@ -95,6 +95,32 @@ def with_ports(cluster: Cluster, rounds: list[dict[str, Any]]) -> list[dict[str,
     return placed
 
 
+def iperf_reach(cluster: Cluster, rounds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """name -> its reach pass (iperf_pair.py --reach): the port it listens on and connects to, one of
+    the comm range's that no round's server takes, and the peers it has a test with. {} when the
+    range has no port to spare (the rounds are tested without it, as before it)."""
+    head = cluster.head
+    comm_range = str(head.get("cluster_comm_port_range", "29400:29999"))
+    master = int(head.get("cluster_master_port", 29500))
+    taken = {pair["port"] for r in rounds for pair in r["pairs"]}
+    low, high = parse_port_range(comm_range)
+    room = high - low + 1 - (low <= master <= high)
+    if room <= len(taken):
+        return {}
+    port = bandwidth_ports(comm_range, master, len(taken) + 1)[-1]
+    addresses = {h.name: h.address for h in cluster.hosts}
+    peers: dict[str, list[str]] = {h.name: [] for h in cluster.hosts}
+    for pair in (p for r in rounds for p in r["pairs"]):
+        peers[pair["client"]].append(pair["server"])
+        peers[pair["server"]].append(pair["client"])
+    reach = {}
+    for name, theirs in peers.items():
+        if theirs:
+            listed = [[peer, addresses[peer]] for peer in dict.fromkeys(theirs)]
+            reach[name] = {"name": name, "port": port, "bind": addresses[name], "peers": listed}
+    return reach
+
+
 def iperf_plan(cluster: Cluster, rounds: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """name -> its iperf3 steps in round order, as iperf_pair.py rounds takes them: serve (bind to
     its own address) or measure (its server's address); a node with no test in a round has no step."""
@@ -104,7 +130,7 @@ def iperf_plan(cluster: Cluster, rounds: list[dict[str, Any]]) -> dict[str, list
         for pair in scheduled["pairs"]:
             client, server, port = pair["client"], pair["server"], pair["port"]
             plan[server].append({"round": scheduled["index"], "role": "server", "port": port,
-                                 "bind": addresses[server]})  # fmt: skip
+                                 "bind": addresses[server], "peer_name": client})  # fmt: skip
             plan[client].append({"round": scheduled["index"], "role": "client", "port": port,
                                  "peer": addresses[server], "peer_name": server})  # fmt: skip
     return plan
@@ -187,6 +213,11 @@ def extravars(
             cluster, with_ports(cluster, rounds) if rounds else iperf_rounds(cluster, full)
         )
         if IPERF_TEST in probes
+        else {},
+        # A first measurement tries each pair's connections both ways before any test; a second one
+        # measures again pairs that were tested.
+        "preflight_iperf_reach": iperf_reach(cluster, iperf_rounds(cluster, full))
+        if IPERF_TEST in probes and rounds is None
         else {},
         "preflight_iperf_seconds": iperf_seconds,
         "preflight_ssh_logins": ssh_logins(cluster, full) if SSH in probes and rounds is None else {},

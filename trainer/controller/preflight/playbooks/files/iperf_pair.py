@@ -19,6 +19,15 @@ that outlived that (none unless a kill did not take: a preflight stopped midway 
 marker in every probe's environment, cleanup.yml). client:
 `iperf3 -c --bidir -J`, retried every CONNECT_RETRY_S until its server listens (up to PEER_WITHIN_S
 in `rounds`). Prints JSON; never fails.
+
+reach (the first thing `rounds` does, with --reach): before any test, this node listens on a comm-range
+port of its own and opens a TCP connection to each peer it has a test with, on that peer's; each
+connection carries the opener's name. A connect that gets no answer (a firewall that drops new
+connections from this node: ufw's `deny`) is tried twice and called dropped in seconds; a refused one
+(the peer not listening yet, or a firewall's `reject`) is tried until REACH_WITHIN_S. A pair that
+did not connect both ways is not tested: a one-off server would wait out a client that can never
+reach it, and every later round of both nodes behind it (a blocked link cost the probe pass two
+minutes, and healthy pairs after it failed). Each side says which way was blocked.
 """
 
 import argparse
@@ -27,9 +36,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 
@@ -51,6 +62,11 @@ LISTEN_WITHIN_S = 15
 PEER_WITHIN_S = 60
 #: Pause between a refused client's tries.
 CONNECT_RETRY_S = 0.2
+#: How long the reach pass waits for its peers: their tasks start about when this one does (one fork
+#: per node), give or take the controller's pace starting them.
+REACH_WITHIN_S = 20
+#: A reach connect with no answer in this long is dropped; one answered is answered at once.
+REACH_CONNECT_TIMEOUT_S = 2
 
 
 def start_time(pid):
@@ -170,11 +186,94 @@ def wait_for_test(server, seconds):
     return stop(argparse.Namespace(pid=server["pid"], start_time=server["start_time"]))
 
 
+def reach(spec):
+    """{peer: {"out": how this node's connection to it went, "in": whether it connected here}} for
+    every peer of spec (--reach: {name, port, bind, peers: [[name, address]]})."""
+    name, port, peers = spec["name"], int(spec["port"]), dict(spec["peers"])
+    arrived, out = set(), {}
+    deadline = time.monotonic() + REACH_WITHIN_S
+    try:
+        listener = socket.create_server((spec["bind"], port))
+    except OSError:
+        return {}  # no reach pass (the port is taken here): every pair is tested, as before it
+    listener.settimeout(0.2)
+
+    def accept():
+        while time.monotonic() < deadline and not set(peers) <= arrived:
+            try:
+                connection, _ = listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            with connection:
+                connection.settimeout(REACH_CONNECT_TIMEOUT_S)
+                with contextlib.suppress(OSError):
+                    arrived.add(connection.recv(256).decode(errors="replace").strip())
+
+    def connect(peer, address):
+        tries_unanswered = 0
+        while True:
+            try:
+                with socket.create_connection(
+                    (address, port), timeout=REACH_CONNECT_TIMEOUT_S, source_address=(spec["bind"], 0)
+                ) as connection:
+                    connection.sendall(name.encode())
+                out[peer] = "ok"
+                return
+            except TimeoutError:
+                tries_unanswered += 1
+                if tries_unanswered >= 2 or time.monotonic() > deadline:
+                    out[peer] = f"no answer within {REACH_CONNECT_TIMEOUT_S} s, twice (dropped)"
+                    return
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    out[peer] = f"refused for {REACH_WITHIN_S} s"
+                    return
+                time.sleep(CONNECT_RETRY_S)
+            except OSError as err:
+                out[peer] = err.strerror or str(err)
+                return
+
+    threads = [threading.Thread(target=accept)]
+    threads += [threading.Thread(target=connect, args=item) for item in peers.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    listener.close()
+    return {peer: {"out": out.get(peer, "not tried"), "in": peer in arrived} for peer in peers}
+
+
+def blocked(peer, reached, me, port):
+    """Why the pair with `peer` is not tested (which way did not connect), or None."""
+    found = reached.get(peer)
+    if found is None:
+        return None
+    ways = []
+    if found["out"] != "ok":
+        ways.append(f"{me} cannot open a connection to {peer} on port {port} ({found['out']})")
+    if not found["in"]:
+        ways.append(f"{peer} did not open a connection to {me} on port {port} within {REACH_WITHIN_S} s")
+    return "; ".join(ways) + "; not measured" if ways else None
+
+
 def rounds(args):
-    """Every step of this node's schedule (--plan, round order), each over before the next starts."""
+    """Every step of this node's schedule (--plan, round order), each over before the next starts;
+    first the reach pass (--reach), and no test of a pair that did not connect both ways."""
     servers, clients = [], []
     began = time.monotonic()
+    spec = json.loads(args.reach or "{}")
+    reached = reach(spec) if spec else {}
+    reach_s = round(time.monotonic() - began, 2)
     for step in json.loads(args.plan):
+        peer = step.get("peer_name")  # the other end: the server's, or (a server step) its client's
+        why = blocked(peer, reached, spec.get("name"), spec.get("port"))
+        if why and step["role"] == "server":
+            servers.append({"started": False, "skipped": True, "error": why, "round": step["round"]})
+            continue
+        if why:
+            skipped = {"peer": step["peer"], "port": step["port"], "error": why, "end": {}}
+            clients.append({**skipped, "round": step["round"], "peer_name": peer, "at_s": 0.0, "took_s": 0.0})
+            continue
         # When each step started and how long it took: where a slow check spent its time.
         step_began = time.monotonic()
         if step["role"] == "server":
@@ -207,7 +306,7 @@ def rounds(args):
     # here, and a stop task skipped on every node still cost the controller a task per node.
     alive = [s for s in servers if s.get("pid") and still_our_server(s["pid"], s["start_time"])]
     started = [[s["pid"], s["start_time"]] for s in alive]
-    return {"servers": servers, "clients": clients, "started": started}
+    return {"servers": servers, "clients": clients, "started": started, "reach": reached, "reach_s": reach_s}
 
 
 def _timed(began, step_began):
@@ -236,6 +335,7 @@ def main():
     parser.add_argument("--pid", type=int, default=0, help="stop: the pid the server step printed")
     parser.add_argument("--start-time", type=int, default=-1, help="stop: the start time it printed")
     parser.add_argument("--servers", default="", help="stop: [[pid, start_time], ...] that `rounds` printed")
+    parser.add_argument("--reach", default="", help="rounds: {name, port, bind, peers: [[name, address]]}")
     parser.add_argument("--connect-within", type=float, default=LISTEN_WITHIN_S + 5, help="client: seconds")
     args = parser.parse_args()
     if args.role == "stop" and args.servers:
