@@ -224,8 +224,10 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
     warnings.filterwarnings("ignore", "AnsibleCollectionFinder has already been configured")
     from trainer.controller.inventory import load_cluster
     from trainer.controller.launcher.attempt_events import start_word
-    from trainer.controller.launcher.launch import Launcher, WatchOptions, prestart
+    from trainer.controller.launcher.launch import Launcher
+    from trainer.controller.launcher.launch_cli import prestart
     from trainer.controller.launcher.plan import make_plan
+    from trainer.controller.launcher.wire import WatchOptions
 
     marks = [("imports", time.monotonic() - started)]
     # As `trainer launch` does: ansible-playbook starts while the plan is made.
@@ -259,7 +261,7 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
     nodes = {n.host for n in plan.topology.nodes}
 
     def on_message(message: dict) -> None:
-        # launch.Launcher.attempt answers the probes (its word to start); here, as there, once all
+        # attempt_events.StartHandshake answers the probes (its word to start); here, as there, once all
         # have passed. The bench reads no failure: a node that fails its probe ends the run.
         if message.get("type") == "probed":
             probed.add(str(message.get("host")))

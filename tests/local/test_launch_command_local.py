@@ -270,8 +270,9 @@ def test_the_prestarted_launch_is_given_every_variable_it_was_started_for(cluste
     # start.yml is started before the plan, its variables named in advance (LAUNCH_VARS): a name
     # missing there would make every launch start ansible-playbook a second time.
     from trainer.controller.inventory import load_cluster
-    from trainer.controller.launcher.launch import LAUNCH_VARS, Launcher
+    from trainer.controller.launcher.launch import Launcher
     from trainer.controller.launcher.plan import make_plan
+    from trainer.controller.launcher.wire import LAUNCH_VARS
 
     inventory, _, _ = cluster
     launcher = Launcher(make_plan(load_cluster(inventory), None, (), None, "names", command=("true",)))

@@ -39,7 +39,7 @@ from trainer.controller.inventory import (
     PlanningError,
     load_cluster,
 )
-from trainer.controller.launcher import launch, launch_cli
+from trainer.controller.launcher import launch_cli
 from trainer.controller.launcher.plan import JobPlan, add_job_arguments, plan_from_args
 from trainer.controller.preflight.checks import CHECKS
 from trainer.redaction import REDACTED, redact_override, secret_env
@@ -65,8 +65,8 @@ EXAMPLES = (
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_job_arguments(parser)
-    launch.add_watch_arguments(parser)
-    launch.add_restart_arguments(parser)
+    launch_cli.add_watch_arguments(parser)
+    launch_cli.add_restart_arguments(parser)
     group = parser.add_argument_group("phases")
     group.add_argument(
         "--from",
@@ -117,7 +117,7 @@ def say(line: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The three phases in order, or the first error (exit 2) before any of them."""
-    if problem := launch.option_problem(args):
+    if problem := launch_cli.option_problem(args):
         print(f"trainer up: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     start_at = PHASES.index(args.from_phase)

@@ -1,10 +1,10 @@
-"""start.yml's per-node arguments, made by the launcher (launch.start_calls) rather than by a template
+"""start.yml's per-node arguments, made by the launcher (wire.start_calls) rather than by a template
 per value in the tasks (issue 27: each template is compiled again in every host's worker): what the
 head gets that the workers do not, and what every node gets the same."""
 
 from __future__ import annotations
 
-from trainer.controller.launcher.launch import start_calls
+from trainer.controller.launcher.wire import start_calls
 
 
 def _extravars(lock_in_probe: bool) -> dict:

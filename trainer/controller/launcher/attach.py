@@ -33,8 +33,8 @@ import sys
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import PlanningError, load_cluster
-from trainer.controller.launcher.launch import (
-    Launcher,
+from trainer.controller.launcher.launch import Launcher
+from trainer.controller.launcher.launch_cli import (
     add_watch_arguments,
     follow_problem,
     install_signal_handlers,

@@ -17,12 +17,9 @@ from typing import Any, NamedTuple
 
 from trainer.controller.launcher.live import JobMonitor, LiveView
 from trainer.controller.launcher.runlock import LOCK_TASK, RELEASE_TASK, RunLock
+from trainer.controller.launcher.wire import LAUNCH_TASK, WATCH_TASK
 from trainer.controller.runner import with_known_fix
 
-#: start.yml's one node task: the probe, the launcher's word, the start and the watch (Ansible forks a
-#: worker per node and task). Its result's `phase` says how far it got: probe, start, watch.
-LAUNCH_TASK = "Probe the node, start the trainer once every node passed, and follow it until it ends"
-WATCH_TASK = "Follow the trainer until it ends"
 FAILED_EVENTS = ("runner_on_failed", "runner_on_unreachable")
 
 

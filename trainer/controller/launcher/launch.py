@@ -32,28 +32,19 @@ cause and its consequences; restarts.py is the policy above it (--max-restarts, 
 
 from __future__ import annotations
 
-import argparse
 import os
-import pwd
 import signal
 import socket
 import time
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import PurePosixPath
 from typing import Any
 
 from trainer import exitcodes
-from trainer.controller import forks
 from trainer.controller.launcher.attempt_events import FollowEvents, StartEvents, StartHandshake, StepFailure
-from trainer.controller.launcher.command_forms import script_of
 from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
 from trainer.controller.launcher.launchfiles import launch_files
 from trainer.controller.launcher.live import JobMonitor, LiveView, Stall, node_text
-from trainer.controller.launcher.plan import (
-    JobPlan,
-)
+from trainer.controller.launcher.plan import JobPlan
 from trainer.controller.launcher.runlock import (
     RELEASE_TASK,
     LockError,
@@ -63,217 +54,34 @@ from trainer.controller.launcher.runlock import (
     lock_call,
     release_quietly,
 )
-from trainer.controller.launcher.runscript import node_dir, run_script
-from trainer.controller.launcher.topology import AUTO_IFNAME
-from trainer.controller.launcher.world import WORLD_TIMEOUT_S, WorldCheck
-from trainer.controller.runner import (
-    PlaybookResult,
-    PrestartedRun,
-    prestart_playbook,
-    run_playbook,
+from trainer.controller.launcher.wire import (
+    PLAYBOOKS,
+    START_SKIP_TAG,
+    STOP_TASK,
+    WatchOptions,
+    drop_node_files,
+    launch_env,
+    launch_vars,
+    start_calls,
 )
+from trainer.controller.launcher.world import WorldCheck
+from trainer.controller.runner import PlaybookResult, PrestartedRun, run_playbook
 from trainer.controller.training_env import IB_AUTO
 
-PLAYBOOKS = PurePosixPath(__file__).parent / "playbooks"
-STOP_TASK = "Stop the trainer's process group"
 INTERRUPTED = exitcodes.INTERRUPTED
-#: ansible-playbook's settings for every run of a launch. ansible.cfg of the current directory is not
-#: read for these playbooks, so what matters here is set outright. Forks (launch_env) bound concurrency
-#: only (Ansible starts a worker per host of a task, up to this many): the watch needs a worker per node
-#: for the whole run, so they are as many as this machine holds (trainer.controller.forks), a job with
-#: more nodes is refused (follow_problem), and the setting is known before the inventory is read (the
-#: prestarted start).
-LAUNCH_ENV = {
-    "ANSIBLE_PIPELINING": "True",
-    "ANSIBLE_NOCOLOR": "True",
-    "ANSIBLE_GATHERING": "explicit",
-    "ANSIBLE_RETRY_FILES_ENABLED": "False",
-}
-
-
-def launch_env() -> dict[str, str]:
-    """LAUNCH_ENV with the forks: every node this machine can follow at once (the same all run long)."""
-    return {**LAUNCH_ENV, "ANSIBLE_FORKS": str(forks.fork_limit())}
-
-
-def start_calls(extravars: dict[str, Any]) -> None:
-    """Give each node of start.yml's extra variables its probe's and its start's arguments (`probe`,
-    `start`: request, timeout, the watch's settings), made here rather than by a template per value in
-    the tasks: Ansible compiles every template of a task's arguments again in each host's worker
-    (the forked ansible-playbook that runs the task), 37 templates for a probe and 53 for a start, most
-    of the controller's CPU per node. The head's differ: its master port, the run's lock (where its
-    probe takes it), the launch's files and record."""
-    head = extravars["launch_head"]
-    lock = extravars["launch_lock_request"] if extravars["launch_lock_in_probe"] else {}
-    for host, node in extravars["launch_nodes"].items():
-        is_head = host == head
-        node["probe"] = {
-            "timeout_s": extravars["launch_command_timeout_s"],
-            "request": {
-                "need": extravars["launch_venv_needs"],
-                "address": node["address"],
-                "iface_auto": node["ifname_auto"],
-                "port": extravars["launch_master_port"] if is_head else 0,
-                "node_dir": node["node_dir"],
-                "run_name": extravars["launch_run_name"],
-                "training_user": extravars["launch_training_user"],
-                "check": node["check"],
-                "lock": lock if is_head else {},
-            },
-        }
-        node["start"] = {
-            # The request holds the secret variables and the config's webhook URL: never an argument.
-            "secret": extravars["launch_has_secrets"],
-            "timeout_s": extravars["launch_command_timeout_s"] + 60,
-            "request": {
-                "node_dir": node["node_dir"],
-                "launch_id": extravars["launch_id"],
-                "launch_dir": extravars["launch_dir"],
-                "files": extravars["launch_files"] if is_head else {},
-                "secret_env": node["secret_env"],
-                "run_sh": node["run_sh"],
-                "wait_for": node["wait_for"],
-                "info": extravars["launch_info"],
-                "record": extravars["launch_record"] if is_head else {},
-                "reuse": extravars["launch_reuse"],
-            },
-            "follow": {
-                "poll_s": extravars["launch_poll_s"],
-                "quiet_s": extravars["launch_quiet_s"],
-                "timeout_s": extravars["launch_status_timeout_s"],
-                "give_up_s": extravars["launch_give_up_s"],
-                # Only rank 0's lines are shown as they come: a worker's poll answers on its trainer's
-                # end or after launch_quiet_s, one round trip per node every few seconds.
-                "request": {"node_dir": node["node_dir"], "offset": 0, "quiet": not is_head},
-            },
-        }
-        # Moved into the start, not copied: start.yml reads them nowhere else, and the values file the
-        # prestarted run reads would carry the secrets and scripts twice. The names stay (the prestarted
-        # run expects exactly LAUNCH_VARS).
-        node["secret_env"], node["run_sh"] = {}, ""
-    extravars.update(launch_files={}, launch_info={}, launch_record={})
-
-
-def follow_problem(nodes: int) -> str | None:
-    """Why this controller cannot follow `nodes` nodes at once (and so refuses the launch), or None."""
-    return forks.limits().follow_problem(nodes)
-
-
-#: start.yml's tasks that a launch has no use for tag themselves so (start.yml's header).
-START_SKIP_TAG = "launch_skip"
-#: The extra variables of the launcher's playbooks (Launcher.extravars): start.yml is started before
-#: the plan is made and given them then (runner.PrestartedRun), so their names are known in advance.
-LAUNCH_VARS = frozenset(
-    {
-        "launch_run_name",
-        "launch_id",
-        "launch_dir",
-        "launch_output_dir",
-        "launch_head",
-        "launch_hosts",
-        "launch_master_port",
-        "launch_training_user",
-        "launch_nodes",
-        "launch_venv_needs",
-        "launch_files",
-        "launch_info",
-        "launch_record",
-        "launch_become_hosts",
-        "launch_command_timeout_s",
-        "launch_poll_s",
-        "launch_quiet_s",
-        "launch_status_timeout_s",
-        "launch_give_up_s",
-        "launch_stop_grace_s",
-        "launch_has_secrets",
-        "launch_stacks",
-        "launch_stop_record",
-        "launch_tail",
-        "launch_lock_request",
-        "launch_lock_in_probe",
-        "launch_bundled_trainer",
-        "launch_release_lock",
-        "launch_release_lock_when_done",
-        "launch_reuse",
-    }
-)
-#: The longest a follow's poll waits on a quiet node (WatchOptions.quiet_s): following a node costs the
-#: controller a round trip (an ssh client, a worker's wake-up) per poll, 0.2 % of a core at one per
-#: 2 s; one per 10 s costs a fifth of it, and a node's end still answers at once.
-QUIET_S = 10.0
-#: The bundled trainer's default --stall-timeout (a user's command has none unless given).
-BUNDLED_STALL_TIMEOUT_S = 600.0
-
-
-#: Connections that run a task as `ansible_user` (without become): ssh's and paramiko's.
-SSH_CONNECTIONS = frozenset(
-    {"ssh", "ansible.builtin.ssh", "paramiko", "paramiko_ssh", "ansible.builtin.paramiko_ssh"}
-)
-#: The local connection runs every task as the launcher's own account.
-LOCAL_CONNECTIONS = frozenset({"local", "ansible.builtin.local"})
-
-
-def connecting_user(host_vars: Mapping[str, Any]) -> str | None:
-    """The account Ansible runs a host's tasks as (before become), where its inventory variables say
-    so outright: this process's own for a local connection, `ansible_user` for ssh given in full;
-    None when only the host can tell (the `id -un` round trip) or a become variable is set."""
-    if any(key.startswith("ansible_become") for key in host_vars) or "ansible_ssh_user" in host_vars:
-        return None
-    connection = host_vars.get("ansible_connection")
-    if connection in LOCAL_CONNECTIONS:
-        try:
-            return pwd.getpwuid(os.geteuid()).pw_name
-        except KeyError:
-            return None
-    user = host_vars.get("ansible_user")
-    if connection in SSH_CONNECTIONS and isinstance(user, str) and user:
-        return user
-    return None
-
-
-@dataclass(frozen=True)
-class WatchOptions:
-    """How a launch is followed (the command line's --poll-interval, --unreachable-grace, ...)."""
-
-    poll_interval_s: float = 2.0
-    unreachable_grace_s: float = 60.0
-    stall_timeout_s: float | None = None
-    stop_grace_s: float = 10.0
-    world_timeout_s: float = WORLD_TIMEOUT_S
-
-    @property
-    def status_timeout_s(self) -> float:
-        """How long one poll may go unanswered before it counts as missed (beyond its own wait)."""
-        return min(30.0, max(5.0, self.unreachable_grace_s / 3))
-
-    @property
-    def quiet_s(self) -> float:
-        """How long a poll waits on a node with nothing new (a worker's: its lines are not shown live):
-        QUIET_S, or less where the grace or the stall timeout is short (progress and misses arrive
-        this late at most), never under the poll interval."""
-        bounds = [QUIET_S, self.unreachable_grace_s / 6]
-        if self.stall_timeout_s:
-            bounds.append(self.stall_timeout_s / 4)
-        return max(self.poll_interval_s, min(bounds))
-
-    @property
-    def command_timeout_s(self) -> float:
-        """How long a probe, check, start or stop may take on a node (beyond a stop's grace): a node
-        that takes longer is named as not answering, and the launch goes on without waiting for it."""
-        return min(60.0, max(10.0, self.unreachable_grace_s / 2))
 
 
 class Launcher:
     def __init__(
         self,
         plan: JobPlan,
-        options: WatchOptions = WatchOptions(),
+        options: WatchOptions | None = None,
         *,
         command: str = "trainer launch",
         prestarted: PrestartedRun | None = None,
     ) -> None:
         self.plan = plan
-        self.options = options
+        self.options = options or WatchOptions()
         #: The run's lock on the head (runlock.py): taken before the first probe, kept across restarts.
         self.lock = RunLock(plan.run_name, plan.launch_dir, command)
         #: The restart policy's state (restarts.RestartPolicy.state): in launch.json, for `trainer attach`.
@@ -304,14 +112,6 @@ class Launcher:
     @property
     def hosts(self) -> list[str]:
         return [n.host for n in self.plan.topology.nodes]
-
-    @property
-    def lock_in_probe(self) -> bool:
-        """Whether the head's probe takes the run's lock in its own round trip (start.yml): when the
-        inventory says Ansible reaches the head as the training user. Otherwise a round trip finds
-        out who it connects as, and another takes the lock, become the training user if need be."""
-        user = connecting_user(self.plan.topology.head.vars)
-        return user is not None and self.plan.training_user in ("", user)
 
     # --- what the playbooks get ---------------------------------------------------------------
 
@@ -346,80 +146,22 @@ class Launcher:
         }
 
     def extravars(self, **extra: Any) -> dict[str, Any]:
-        plan, topo, options = self.plan, self.plan.topology, self.options
-        venv_bin = str(PurePosixPath(plan.training_venv) / "bin")
-        nodes = {}
-        for n in topo.nodes:
-            check = (
-                {}
-                if plan.runs_bundled_trainer
-                else {
-                    "workdir": plan.workdir(n),
-                    "program": plan.node_command(n)[0],
-                    "venv_bin": venv_bin,
-                    "script": script_of(plan.user_command) or "",
-                }
-            )
-            nodes[n.host] = {
-                "node_rank": n.node_rank,
-                "address": n.address,
-                "ifname_auto": n.nccl_socket_ifname == AUTO_IFNAME,
-                "node_dir": node_dir(plan, n),
-                "check": check,
-                "run_sh": run_script(plan, n, n.host),
-                "secret_env": plan.node_secret_env(n),
-                # The head's files this node's command reads: wait until the shared dir shows them.
-                "wait_for": [
-                    f"{plan.launch_dir}/config.yaml"
-                    if plan.runs_bundled_trainer
-                    else plan.accelerate_config_path(n)
-                ],
-            }
-        return {
-            "launch_run_name": plan.run_name,
-            "launch_id": self.launch_id,
-            "launch_dir": plan.launch_dir,
-            "launch_output_dir": plan.output_dir,
-            "launch_head": topo.head.host,
-            "launch_hosts": self.hosts,
-            "launch_master_port": topo.master_port,
-            "launch_training_user": plan.training_user,
-            "launch_nodes": nodes,
-            "launch_venv_needs": ["python", "torchrun", "trainer"]
-            if plan.runs_bundled_trainer
-            else ["python"],
-            "launch_files": {},
-            "launch_info": {},
-            "launch_record": {},
-            "launch_become_hosts": self.become,
-            "launch_command_timeout_s": options.command_timeout_s,
-            "launch_poll_s": options.poll_interval_s,
-            "launch_quiet_s": options.quiet_s,
-            "launch_status_timeout_s": options.status_timeout_s,
-            # A safety net only: the launcher fails the node after the grace and cancels the watch.
-            "launch_give_up_s": options.unreachable_grace_s + 300,
-            "launch_stop_grace_s": options.stop_grace_s,
-            "launch_has_secrets": plan.has_secrets,
-            "launch_stacks": False,
-            "launch_stop_record": {},
-            "launch_tail": 20,
-            "launch_lock_request": self.lock.request("acquire"),
-            "launch_lock_in_probe": self.lock_in_probe,
-            "launch_bundled_trainer": plan.runs_bundled_trainer,
-            "launch_release_lock": False,
-            "launch_release_lock_when_done": True,
-            "launch_reuse": False,
+        """The variables of this launch's playbooks (wire.launch_vars); `extra` as there."""
+        return launch_vars(
+            self.plan,
+            self.options,
+            launch_id=self.launch_id,
+            become=self.become,
+            lock_request=self.lock.request("acquire"),
             **extra,
-        }
+        )
 
     def _run(
         self, playbook: str, extravars: dict[str, Any], *, skip: set[str] = frozenset(), **kwargs: Any
     ) -> PlaybookResult:
         if playbook != "start.yml":
             # Only the start needs the files and secrets; the other playbooks never see them.
-            for node in extravars["launch_nodes"].values():
-                node["secret_env"] = {}
-                node["run_sh"] = ""
+            drop_node_files(extravars)
         # start.yml's plays run on launch_hosts (no --limit), and it skips what the launch has no use
         # for by one tag: its command line is the same for every plan, so it may be prestarted.
         start = playbook == "start.yml"
@@ -602,8 +344,7 @@ class Launcher:
             launch_reuse=self.reuse_node_files,
         )
         if self.reuse_node_files:
-            for node in extravars["launch_nodes"].values():
-                node["secret_env"], node["run_sh"] = {}, ""
+            drop_node_files(extravars)
         return extravars
 
     def _play(
@@ -891,142 +632,3 @@ class Launcher:
             },
             self.env,
         )
-
-
-def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
-    """How a launch is followed: shared by `trainer launch` and `trainer attach`."""
-    parser.add_argument(
-        "--poll-interval",
-        type=float,
-        default=None,
-        help="seconds between status polls of each node, on average: a poll answers as soon as there "
-        "are new lines, and up to 3 may follow back to back (default: 2)",
-    )
-    parser.add_argument(
-        "--unreachable-grace",
-        type=float,
-        default=None,
-        metavar="S",
-        help="a node that does not answer is shown as unreachable and failed only after S seconds; its "
-        "trainer keeps running meanwhile (default: 60)",
-    )
-    parser.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="stop every node when no rank advances a step (bundled trainer; counted from its ranks' "
-        "first report) or no node prints a line "
-        f"(your command) for S seconds, naming the ranks behind (default: {BUNDLED_STALL_TIMEOUT_S:g} for "
-        "the bundled trainer, off for your command; 0: off)",
-    )
-    parser.add_argument(
-        "--stop-grace",
-        type=float,
-        default=None,
-        help="seconds a stopped trainer gets between TERM and KILL (default: 10)",
-    )
-    parser.add_argument(
-        "--world-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="your command on several nodes: a node that runs S seconds without connecting to the head "
-        "formed a job of its own; the job is stopped (exit 2) when the command starts torchrun, "
-        f"accelerate or deepspeed, else a warning is shown (default: {WORLD_TIMEOUT_S:g})",
-    )
-
-
-def watch_options(
-    args: argparse.Namespace, bundled: bool, saved: dict[str, Any] | None = None
-) -> WatchOptions:
-    """The command line's watch settings; what it leaves out from `saved` (launch.json), else defaults."""
-    saved = saved or {}
-
-    def pick(arg: float | None, key: str, default: float | None) -> float | None:
-        if arg is not None:
-            return arg
-        return saved.get(key, default) if key in saved else default
-
-    stall = pick(args.stall_timeout, "stall_timeout_s", BUNDLED_STALL_TIMEOUT_S if bundled else None)
-    return WatchOptions(
-        poll_interval_s=float(pick(args.poll_interval, "poll_interval_s", 2.0)),
-        unreachable_grace_s=float(pick(args.unreachable_grace, "unreachable_grace_s", 60.0)),
-        stall_timeout_s=float(stall) if stall else None,
-        stop_grace_s=float(pick(args.stop_grace, "stop_grace_s", 10.0)),
-        world_timeout_s=float(pick(args.world_timeout, "world_timeout_s", WORLD_TIMEOUT_S)),
-    )
-
-
-def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
-    """What happens after a failure: shared by `trainer launch` and `trainer up` (option_problem checks
-    how they combine)."""
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="K",
-        help="after a failure (a rank's exit, a lost node, a GPU fault, a stall), stop every node and start "
-        "again, up to K times; the bundled trainer resumes from the latest complete checkpoint. Bad input "
-        "(exit 2 config, 3 data sizing, 74 disk full) is never restarted (default: 0)",
-    )
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="take over the run's lock left by a launcher that died (kill -9, a lost controller); "
-        "refused while that launcher still runs on this controller",
-    )
-    parser.add_argument(
-        "--exclude-failed",
-        action="store_true",
-        help="with --max-restarts: leave out a lost node at once (it stopped answering while its peers "
-        "failed, or at its probe; this uses no restart) and a node that caused two failures, and go on "
-        "on the others from the latest checkpoint, the effective batch kept (gradient accumulation raised)",
-    )
-    parser.add_argument(
-        "--allow-batch-change",
-        action="store_true",
-        help="with --exclude-failed: when the remaining processes cannot divide the effective batch, go on "
-        "with the nearest one instead of stopping",
-    )
-
-
-def prestart(args: argparse.Namespace) -> PrestartedRun | None:
-    """start.yml, started before the inventory is read and the plan made: ansible-playbook's own
-    start (a second) overlaps with them. Its command line is the same for every plan (start.yml's
-    header); the first attempt hands it the plan's variables (runner.PrestartedRun)."""
-    try:
-        return prestart_playbook(
-            PLAYBOOKS / "start.yml",
-            args.inventory,
-            LAUNCH_VARS,
-            env=launch_env(),
-            skip_tags=START_SKIP_TAG,
-            channel=True,
-        )
-    except OSError:
-        return None  # an unreadable inventory path: the plan says what is wrong with it
-
-
-def option_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with how the restart options combine (add_restart_arguments), or None."""
-    if args.max_restarts < 0:
-        return "--max-restarts must be 0 or more"
-    if args.exclude_failed and not args.max_restarts:
-        return "--exclude-failed needs --max-restarts K (K >= 1)"
-    if args.allow_batch_change and not args.exclude_failed:
-        return "--allow-batch-change needs --exclude-failed"
-    return None
-
-
-def install_signal_handlers(view: LiveView) -> None:
-    """TERM (a CI job's timeout, a supervisor) and HUP (the terminal closed) stop the hosts' trainers
-    the way Ctrl-C does. After HUP there is no terminal to write to: output is dropped."""
-
-    def interrupt(signum: int, frame: Any) -> None:
-        if signum == signal.SIGHUP:
-            view.detach()
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupt)

@@ -1,33 +1,30 @@
 """`trainer launch`: the command line. It plans the job from the inventory, then hands it to the
 restart policy (restarts.py), which runs attempts of the Launcher (launch.py) until the job ends or
 no restart is left; `--stop` is `trainer stop` (stop.py). Kept apart from launch.py so that the
-modules the command line joins (launch, restarts, stop) do not import each other.
+modules the command line joins (launch, restarts, stop) do not import each other. Its options for
+following a launch and restarting it are `trainer attach`'s and `trainer up`'s too.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from trainer import exitcodes
+from trainer.controller import forks
 from trainer.controller.access import configure_access
 from trainer.controller.inventory import Cluster, PlanningError, load_cluster
-from trainer.controller.launcher.launch import (
-    Launcher,
-    add_restart_arguments,
-    add_watch_arguments,
-    follow_problem,
-    install_signal_handlers,
-    option_problem,
-    prestart,
-    watch_options,
-)
+from trainer.controller.launcher.launch import Launcher
 from trainer.controller.launcher.live import LiveView
 from trainer.controller.launcher.plan import COMMAND_EPILOG, JobPlan, add_job_arguments, plan_from_args
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.stop import stop_run
-from trainer.controller.runner import PrestartedRun
+from trainer.controller.launcher.wire import LAUNCH_VARS, PLAYBOOKS, START_SKIP_TAG, WatchOptions, launch_env
+from trainer.controller.launcher.world import WORLD_TIMEOUT_S
+from trainer.controller.runner import PrestartedRun, prestart_playbook
 
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
 TAKES_COMMAND = True
@@ -36,6 +33,8 @@ EXAMPLES = (
     "trainer launch -i inventory/mycluster --run-name qwen-lora finetune-lora.yaml --max-restarts 2",
     "trainer launch -i inventory/mycluster --env WANDB_API_KEY -- bash finetune/finetune_lora_ds.sh",
 )
+#: The bundled trainer's default --stall-timeout (a user's command has none unless given).
+BUNDLED_STALL_TIMEOUT_S = 600.0
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -105,3 +104,150 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if early is not None:
             early.cancel()  # unused (an error, an interrupt): its ansible-playbook waits for nothing
+
+
+# --- the options and helpers `trainer attach` and `trainer up` share ------------------------------
+
+
+def follow_problem(nodes: int) -> str | None:
+    """Why this controller cannot follow `nodes` nodes at once (and so refuses the launch), or None."""
+    return forks.limits().follow_problem(nodes)
+
+
+def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a launch is followed: shared by `trainer launch` and `trainer attach`."""
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=None,
+        help="seconds between status polls of each node, on average: a poll answers as soon as there "
+        "are new lines, and up to 3 may follow back to back (default: 2)",
+    )
+    parser.add_argument(
+        "--unreachable-grace",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a node that does not answer is shown as unreachable and failed only after S seconds; its "
+        "trainer keeps running meanwhile (default: 60)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop every node when no rank advances a step (bundled trainer; counted from its ranks' "
+        "first report) or no node prints a line "
+        f"(your command) for S seconds, naming the ranks behind (default: {BUNDLED_STALL_TIMEOUT_S:g} for "
+        "the bundled trainer, off for your command; 0: off)",
+    )
+    parser.add_argument(
+        "--stop-grace",
+        type=float,
+        default=None,
+        help="seconds a stopped trainer gets between TERM and KILL (default: 10)",
+    )
+    parser.add_argument(
+        "--world-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="your command on several nodes: a node that runs S seconds without connecting to the head "
+        "formed a job of its own; the job is stopped (exit 2) when the command starts torchrun, "
+        f"accelerate or deepspeed, else a warning is shown (default: {WORLD_TIMEOUT_S:g})",
+    )
+
+
+def watch_options(
+    args: argparse.Namespace, bundled: bool, saved: dict[str, Any] | None = None
+) -> WatchOptions:
+    """The command line's watch settings; what it leaves out from `saved` (launch.json), else defaults."""
+    saved = saved or {}
+
+    def pick(arg: float | None, key: str, default: float | None) -> float | None:
+        if arg is not None:
+            return arg
+        return saved.get(key, default) if key in saved else default
+
+    stall = pick(args.stall_timeout, "stall_timeout_s", BUNDLED_STALL_TIMEOUT_S if bundled else None)
+    return WatchOptions(
+        poll_interval_s=float(pick(args.poll_interval, "poll_interval_s", 2.0)),
+        unreachable_grace_s=float(pick(args.unreachable_grace, "unreachable_grace_s", 60.0)),
+        stall_timeout_s=float(stall) if stall else None,
+        stop_grace_s=float(pick(args.stop_grace, "stop_grace_s", 10.0)),
+        world_timeout_s=float(pick(args.world_timeout, "world_timeout_s", WORLD_TIMEOUT_S)),
+    )
+
+
+def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
+    """What happens after a failure: shared by `trainer launch` and `trainer up` (option_problem checks
+    how they combine)."""
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="after a failure (a rank's exit, a lost node, a GPU fault, a stall), stop every node and start "
+        "again, up to K times; the bundled trainer resumes from the latest complete checkpoint. Bad input "
+        "(exit 2 config, 3 data sizing, 74 disk full) is never restarted (default: 0)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="take over the run's lock left by a launcher that died (kill -9, a lost controller); "
+        "refused while that launcher still runs on this controller",
+    )
+    parser.add_argument(
+        "--exclude-failed",
+        action="store_true",
+        help="with --max-restarts: leave out a lost node at once (it stopped answering while its peers "
+        "failed, or at its probe; this uses no restart) and a node that caused two failures, and go on "
+        "on the others from the latest checkpoint, the effective batch kept (gradient accumulation raised)",
+    )
+    parser.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="with --exclude-failed: when the remaining processes cannot divide the effective batch, go on "
+        "with the nearest one instead of stopping",
+    )
+
+
+def prestart(args: argparse.Namespace) -> PrestartedRun | None:
+    """start.yml, started before the inventory is read and the plan made: ansible-playbook's own
+    start (a second) overlaps with them. Its command line is the same for every plan (start.yml's
+    header); the first attempt hands it the plan's variables (runner.PrestartedRun)."""
+    try:
+        return prestart_playbook(
+            PLAYBOOKS / "start.yml",
+            args.inventory,
+            LAUNCH_VARS,
+            env=launch_env(),
+            skip_tags=START_SKIP_TAG,
+            channel=True,
+        )
+    except OSError:
+        return None  # an unreadable inventory path: the plan says what is wrong with it
+
+
+def option_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with how the restart options combine (add_restart_arguments), or None."""
+    if args.max_restarts < 0:
+        return "--max-restarts must be 0 or more"
+    if args.exclude_failed and not args.max_restarts:
+        return "--exclude-failed needs --max-restarts K (K >= 1)"
+    if args.allow_batch_change and not args.exclude_failed:
+        return "--allow-batch-change needs --exclude-failed"
+    return None
+
+
+def install_signal_handlers(view: LiveView) -> None:
+    """TERM (a CI job's timeout, a supervisor) and HUP (the terminal closed) stop the hosts' trainers
+    the way Ctrl-C does. After HUP there is no terminal to write to: output is dropped."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            view.detach()
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)

@@ -23,11 +23,12 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import Cluster, PlanningError, load_cluster
-from trainer.controller.launcher.launch import STOP_TASK, Launcher, WatchOptions
+from trainer.controller.launcher.launch import Launcher
 from trainer.controller.launcher.live import LiveView, node_text, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state
 from trainer.controller.launcher.status import MALFORMED, launch_info, launched_nodes
+from trainer.controller.launcher.wire import STOP_TASK, WatchOptions
 from trainer.controller.runner import PlaybookResult
 
 EXAMPLES = (

@@ -24,7 +24,7 @@ as a miss (`since`: when the node stopped answering); the launcher decides when 
 unreachable for too long (--unreachable-grace) and cancels the run. The task itself ends once the
 node's trainer has ended, with the last report as its result.
 
-`launch` (with `probe`, `start` and `venv`: the launcher's, launch.start_calls) is a node's whole
+`launch` (with `probe`, `start` and `venv`: the launcher's, wire.start_calls) is a node's whole
 launch in one task, since Ansible forks a worker per host and task, the controller's main cost per
 node: the probe, its answer sent through the channel (`probed`), the launcher's word once every
 node's probe passed (the reply on the same connection: `go` and the job's NCCL_IB_DISABLE, or why
@@ -123,7 +123,7 @@ class ActionModule(ActionBase):
     def run(self, tmp: Any = None, task_vars: dict | None = None) -> dict:
         result = super().run(tmp, task_vars)
         args = dict(self._task.args)
-        # `call`: this node's request and timeouts as the launcher made them (launch.start_calls), one
+        # `call`: this node's request and timeouts as the launcher made them (wire.start_calls), one
         # template where the task had a template per value: Ansible compiles each template of a task's
         # arguments again in every host's worker, the controller's main cost per node.
         call = args.pop("call", None) or {}
@@ -176,7 +176,7 @@ class ActionModule(ActionBase):
         NCCL_IB_DISABLE), then the start and the watch. A node whose probe fails ends its task failed
         (`phase` probe), and the launcher tells every other node not to start (the task ends
         skipped), as the play's any_errors_fatal did between two tasks. The launcher follows every node
-        in a worker of its own at once (forks >= nodes, launch.follow_problem), so a node never waits
+        in a worker of its own at once (forks >= nodes, launch_cli.follow_problem), so a node never waits
         on a node that has not been probed for want of a worker."""
         python, probe_call, start_call = args["python"], dict(args["probe"]), dict(args["start"])
         request = {**(probe_call.get("request") or {}), "venv": args["venv"]}
