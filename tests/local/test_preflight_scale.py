@@ -103,30 +103,42 @@ def test_a_refused_key_and_a_stopped_sshd_are_named_with_their_fixes(tmp_path, s
 NOT_BANDWIDTH = tuple(name for name in ("ssh", *OTHERS) if name != "bandwidth")
 
 
-def test_a_link_dropped_one_way_fails_that_pair_alone_and_no_test_waits_on_it(tmp_path, sim_workdir):
-    """n02's firewall drops new connections from n00 to the comm port range (SSH still open, replies
-    still let through, as ufw's `deny` would): the reach pass before the iperf3 rounds finds it in
-    seconds and names the direction; no one-off server waits out a client that can never reach it,
-    so the other pairs are measured as usual and pass (before: "unable to connect", a server waiting
-    106 s, 121 s of probe pass against 15 s healthy on this machine)."""
-    with netns.nodes(3, sim_workdir / "sim") as cluster:
+def test_a_link_dropped_one_way_and_a_changed_host_key_fail_only_their_pair_and_node(tmp_path, sim_workdir):
+    """Two faults at once on 4 nodes, every pair measured. n02's firewall drops new connections from
+    n00 to the comm port range (SSH still open, replies let through, as ufw's `deny` would): the reach
+    pass before the iperf3 rounds finds it in seconds and names the direction, and no one-off server
+    waits out a client that can never reach it (before: "unable to connect", a server waiting 106 s,
+    121 s of probe pass against 15 s healthy on this machine). n03's sshd answers with another host
+    key: n03 is named for it, and its pairs are not blamed on a firewall. Every other pair passes."""
+    with netns.nodes(4, sim_workdir / "sim") as cluster:
         head, n02 = cluster.addresses["n00"], cluster.namespaces[2]
         subprocess.run(["ip", "netns", "exec", n02, "iptables", "-I", "INPUT", "-p", "tcp", "-s", head,
                         "--dport", "1024:65535", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"],
                        check=True)  # fmt: skip
+        other_key = cluster.root / "another_host_key"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_key)], check=True)
+        config = cluster.root / "nodes" / "3" / "sshd_config"
+        config.write_text(re.sub(r"(?m)^HostKey .*$", f"HostKey {other_key}", config.read_text()))
+        os.kill(cluster.sshd_pids()[3], signal.SIGHUP)  # sshd re-reads its config
         report_path = tmp_path / "report.json"
         out = subprocess.run(
             [sys.executable, "-m", "trainer", "preflight", "-i", str(cluster.inventory), "--report",
-             str(report_path), "--skip", *(n for n in OTHERS if n not in ("master_port", "bandwidth"))],
+             str(report_path), "--full-matrix",
+             "--skip", *(n for n in OTHERS if n not in ("master_port", "bandwidth"))],
             cwd=REPO, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     assert out.returncode == exitcodes.PREFLIGHT_FAILED, out.stdout + out.stderr
     report = json.loads(report_path.read_text())
-    failed = [r for r in report["results"] if r["status"] not in ("pass", "skip")]
-    assert [(r["check"], r["subject"]) for r in failed] == [("bandwidth", "n00 <-> n02")], out.stdout
-    assert "n00 cannot open a connection to n02" in failed[0]["detail"], failed[0]
-    assert "(dropped)" in failed[0]["detail"] and "iptables -S INPUT" in failed[0]["fix"], failed[0]
-    print(f"one link dropped one way: probe pass {report['probe_duration_s']:.1f} s")
+    failed = {(r["check"], r["subject"]): r for r in report["results"] if r["status"] not in ("pass", "skip")}
+    blocked = failed.pop(("bandwidth", "n00 <-> n02"))
+    assert "n00 cannot open a connection to n02" in blocked["detail"], blocked
+    assert "(dropped)" in blocked["detail"] and "iptables -S INPUT" in blocked["fix"], blocked
+    assert failed and all("n03" in subject for _, subject in failed), sorted(failed)
+    for (check, _), result in failed.items():
+        if check == "bandwidth":
+            assert "Ansible cannot reach n03" in result["detail"] and "firewall" not in result["fix"], result
+    assert any("n03's host key" in r["detail"] for (check, _), r in failed.items() if check == "ssh"), failed
+    print(f"one link dropped one way, one host key changed: probe pass {report['probe_duration_s']:.1f} s")
 
 
 def test_one_slow_link_is_named_after_a_second_longer_measurement(tmp_path, sim_workdir):

@@ -127,6 +127,14 @@ def evaluate_pair(
             f"collective): look for the rule with `iptables -S INPUT` and `ufw status numbered` on both; "
             "ansible-playbook site.yml --tags firewall puts the cluster's rules back",
         )
+    if "Ansible cannot reach" in error:
+        return Result(
+            CHECK,
+            subject,
+            FAIL,
+            f"not measured: {error.splitlines()[0]}",
+            fix="the ssh check above names why Ansible cannot reach it; run preflight again once it does",
+        )
     if error or forward is None:
         return Result(
             CHECK,
@@ -233,13 +241,19 @@ def measure(
 ) -> Measured:
     """What the iperf3 probes of every round measured, per scheduled pair."""
     by_pair = {(c["client"], c.get("peer_name")): c for c in clients}
+    # The nodes whose task ran: a pair with a node that did not run it (Ansible cannot reach it) is
+    # named for that node's cause, not for the connections its peer could not make to it.
+    ran = {c["client"] for c in clients} | {key.split("#")[0] for key in servers}
     found = Measured()
     for scheduled in rounds:
         for pair in scheduled["pairs"]:
             client, server = pair["client"], pair["server"]
             answer = by_pair.get((client, server))
             started = servers.get(f"{server}#{scheduled['index']}") or {}
-            if started.get("started") is False and started.get("error") and not started.get("skipped"):
+            absent = next((end for end in (client, server) if end not in ran), None)
+            if absent is not None:
+                found.pairs[(client, server)] = (None, None, why_missing(absent))
+            elif started.get("started") is False and started.get("error") and not started.get("skipped"):
                 # The client's "unable to connect" would hide why; the server step names the cause.
                 found.pairs[(client, server)] = (None, None, f"{server}: {started['error']}")
             elif answer is None:
