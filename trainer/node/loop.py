@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,6 +82,9 @@ class Trainer:
     """Called with each step's number as this rank starts it (trainer.node.progress)."""
     on_step_end: Callable[[StepResult], None] | None = None
     """Called with each step's result as this rank ends it, before the checks (trainer.node.progress)."""
+    announce: Callable[[str], AbstractContextManager[None]] | None = None
+    """Wraps a pause between steps (`eval`, `checkpoint`), so the launcher's watchdog gives it a bound of
+    its own (trainer.node.progress.Progress.announced)."""
     run_facts: dict[str, Any] = field(default_factory=dict)
     steps_this_run: int = 0
 
@@ -180,7 +184,11 @@ class Trainer:
     def _evaluate_now(self, step: int, last: bool) -> float | None:
         if self.evaluate is None or not (last or (self.eval_every and step % self.eval_every == 0)):
             return None
-        return self.evaluate()
+        with self._announced("eval"):
+            return self.evaluate()
+
+    def _announced(self, phase: str) -> AbstractContextManager[None]:
+        return self.announce(phase) if self.announce is not None else nullcontext()
 
     def _after_step(self, result: StepResult, vote: _StopVote, *, final: bool) -> int:
         """Run the per-step checks; every rank returns the same code (the highest any rank raised),
@@ -338,7 +346,8 @@ class Trainer:
             "fingerprint": self.fingerprint,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        path = self.checkpoints.save(step, self.engine.save, state)
+        with self._announced("checkpoint"):
+            path = self.checkpoints.save(step, self.engine.save, state)
         self.reporter.info(f"checkpoint {path}")
 
     def _summarize(self, loss: float, wall_time_s: float, start_step: int) -> None:

@@ -9,6 +9,12 @@ k while its peers wait in step k+1's collective). The rank also registers faulth
 writing every thread's Python stack to `stack-R.txt` there: the launcher asks for it after a stall,
 without ptrace and without root.
 
+The record also says how long steps take and what the rank does between them, for a watchdog that
+adapts to the job (issue 39): `slowest_step_s`, the longest step of this run after its first (the
+first holds the warm-up: a compile, the first allocation), and `phase`, `train` or an announced
+pause (`eval`, `checkpoint`) with `phase_since`, so an evaluation or a save on a slow share is never
+taken for a hang.
+
 Without CLUSTERTRAIN_PROGRESS_DIR (a run by hand) nothing is written.
 
 Test hooks: TRAINER_TEST_STALL=RANK:STEP[:SECONDS] makes global rank RANK sleep SECONDS (default 3600)
@@ -46,6 +52,13 @@ class Progress:
         self.local_rank = local_rank
         self.started_step: int | None = None
         self.done_step: int | None = None
+        #: The longest step of this run after its first, in seconds (None before the second is done).
+        self.slowest_step_s: float | None = None
+        #: `train`, or an announced pause (`eval`, `checkpoint`), since `phase_since` (epoch seconds).
+        self.phase = "train"
+        self.phase_since = time.time()
+        self._step_started_at: float | None = None
+        self._steps_done = 0
         self._stall = _parse_stall(os.environ.get(STALL_VARIABLE, ""), rank)
         self._raise = _parse_stall(os.environ.get(RAISE_VARIABLE, ""), rank)
         self._wake = threading.Event()
@@ -81,13 +94,30 @@ class Progress:
         if self._raise is not None and step == self._raise[0]:
             raise RuntimeError(f"rank {self.rank} raises before step {step} ({RAISE_VARIABLE} test hook)")
         self.started_step = step
+        self._step_started_at = time.monotonic()
         self._wake.set()
 
     def step_done(self, result: Any) -> None:
         """A per-step hook (trainer.node.loop.StepHook): the step is done; never stops the run."""
         self.done_step = result.step
+        self._steps_done += 1
+        if self._step_started_at is not None and self._steps_done > 1:
+            took = time.monotonic() - self._step_started_at
+            self.slowest_step_s = max(self.slowest_step_s or 0.0, took)
         self._wake.set()
         return None
+
+    @contextlib.contextmanager
+    def announced(self, phase: str):
+        """An announced pause between steps (`eval`, `checkpoint`): written at once, so the watchdog
+        gives it a bound of its own instead of the steps' (trainer.node.loop.Trainer.announce)."""
+        self.phase, self.phase_since = phase, time.time()
+        self._write()
+        try:
+            yield
+        finally:
+            self.phase, self.phase_since = "train", time.time()
+            self._wake.set()
 
     def record(self) -> dict[str, Any]:
         return {
@@ -97,6 +127,9 @@ class Progress:
             "host": socket.gethostname(),
             "started": self.started_step,
             "done": self.done_step,
+            "slowest_step_s": None if self.slowest_step_s is None else round(self.slowest_step_s, 3),
+            "phase": self.phase,
+            "phase_since": self.phase_since,
             "time": time.time(),
             "stack_signal": "SIGUSR1" if self._stack_file is not None else None,
             "stack_file": str(self.directory / f"stack-{self.rank}.txt") if self._stack_file else None,
@@ -112,12 +145,12 @@ class Progress:
             write_file(target, json.dumps(self.record()), umask_mode())
 
     def _writer(self) -> None:
-        written: tuple[int | None, int | None] = (None, None)
+        written: tuple = ()
         while not self._closed:
             self._wake.wait(timeout=5.0)
             self._wake.clear()
-            if (self.started_step, self.done_step) != written:
-                written = (self.started_step, self.done_step)
+            if (self.started_step, self.done_step, self.phase) != written:
+                written = (self.started_step, self.done_step, self.phase)
                 self._write()
             time.sleep(WRITE_INTERVAL_S)
 

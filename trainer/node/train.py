@@ -26,6 +26,7 @@ import sys
 import traceback
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -346,6 +347,7 @@ def train(
             hooks=(*(hooks or ()), *health.step_hooks(on_gpu=on_gpu)),
             on_step_start=progress.started,
             on_step_end=progress.step_done,
+            announce=progress.announced,
         )
         code = trainer.train()
         _note_gpu_fault(code, health)
@@ -446,6 +448,7 @@ def _build(
     hooks: tuple[StepHook, ...],
     on_step_start: Callable[[int], None],
     on_step_end: Callable[[StepResult], None],
+    announce: Callable[[str], AbstractContextManager[None]] | None = None,
 ) -> Trainer:
     """The model in its engine, the batches, run.json and the first log lines; the loop that trains."""
     on_gpu = topology.device.startswith("cuda")
@@ -493,6 +496,7 @@ def _build(
         eval_every=config.eval.every_steps,
         on_step_start=on_step_start,
         on_step_end=on_step_end,
+        announce=announce,
     )
 
 
