@@ -66,4 +66,15 @@ def hung_mount_in(pid: int, path: str, env: dict[str, str] | None = None) -> Ite
     finally:
         holder.kill()  # its /dev/fuse closes: the connection ends
         holder.wait(timeout=30)
-        subprocess.run(["nsenter", "-t", str(pid), "-m", "umount", "-l", path], check=False, timeout=60)
+        # umount(8) stats the path first, which fails on the ended connection (ENOTCONN): the
+        # system call itself, from the namespace's own python3 (every node has it for Ansible).
+        detach = f"import ctypes; ctypes.CDLL(None).umount2({path!r}.encode(), {MNT_DETACH})"
+        subprocess.run(["nsenter", "-t", str(pid), "-m", "python3", "-c", detach], check=False, timeout=60)
+        mounts = subprocess.run(
+            ["nsenter", "-t", str(pid), "-m", "cat", "/proc/self/mounts"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        if f" {path} fuse " in mounts:
+            raise OSError(f"the hung FUSE mount on {path} in pid {pid}'s namespace is still there")
