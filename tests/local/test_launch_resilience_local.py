@@ -159,16 +159,22 @@ def test_a_node_silent_past_the_grace_stops_every_node_and_is_named(loopback, tm
 
 
 def test_a_rank_stuck_before_a_collective_stops_every_node_naming_the_rank_and_its_stack(loopback, tmp_path):
+    """No --stall-timeout: the bound adapts to the job (4 × its slowest step, at least 60 s), where it was
+    a fixed 600 s. A checkpoint save that takes 75 s on rank 0 (announced, so given the ceiling) is
+    not called a hang; rank 1 then stuck before step 5 is, about a minute later, and named."""
     inventory, shared = loopback
+    started = time.monotonic()
     done = subprocess.run(
         launch_command(
             inventory,
             "--run-name",
             "stall",
-            "--stall-timeout",
-            "30",
             "--env",
-            "TRAINER_TEST_STALL=1:4:3600",  # rank 1 sleeps before step 4; rank 0 waits in step 4
+            "TRAINER_TEST_STALL=1:5:3600",  # rank 1 sleeps before step 5; rank 0 waits in step 5
+            "--env",
+            "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_S=75",  # step-3's save takes 75 s on rank 0
+            "--env",
+            "TRAINER_TEST_CHECKPOINT_WRITE_DELAY_STEP=3",
             "--set",
             "train.max_steps=400",
             *TINY,
@@ -181,7 +187,9 @@ def test_a_rank_stuck_before_a_collective_stops_every_node_naming_the_rank_and_i
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     assert "stalled: no rank advanced for" in out, out
-    assert "behind: rank 1 on node1 (node 1) in step 3" in out, out
+    assert "behind: rank 1 on node1 (node 1) in step 4" in out, out
+    assert "(bound: 4 × the slowest step" in out, out
+    print(f"adaptive stall bound: launch to the stall named in {time.monotonic() - started:.0f} s")
     assert "stack of rank 1 on node1:" in out and " in started" in out, "the stuck rank's own stack"
     run = shared / "runs" / "stall"
     for rank in (0, 1):

@@ -415,7 +415,10 @@ def _render_stall(
 ) -> None:
     stall = monitor.stall
     assert stall is not None
-    timeout_text = f" (--stall-timeout {timeout:g})" if timeout else ""
+    # The bound that was passed: a fixed --stall-timeout, or what the adaptive one rested on.
+    timeout_text = (
+        f" (bound: {stall.bound})" if stall.bound else f" (--stall-timeout {timeout:g})" if timeout else ""
+    )
     if not diagnosis.bundled:
         view.message(
             f"[red]stalled[/red]: {stall.summary}{timeout_text}; every node was stopped. "

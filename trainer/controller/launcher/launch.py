@@ -133,6 +133,7 @@ class Launcher:
             "poll_interval_s": options.poll_interval_s,
             "unreachable_grace_s": options.unreachable_grace_s,
             "stall_timeout_s": options.stall_timeout_s,
+            "stall_adaptive": options.stall_adaptive,
             "stop_grace_s": options.stop_grace_s,
             "world_timeout_s": options.world_timeout_s,
             # A user's command on several nodes: each worker's node_ctl reports whether it connected
@@ -260,6 +261,7 @@ class Launcher:
             view,
             unreachable_grace_s=self.options.unreachable_grace_s,
             stall_timeout_s=self.options.stall_timeout_s,
+            stall_adaptive=self.options.stall_adaptive,
             progress_from_steps=self.plan.runs_bundled_trainer,
             ranks={n.host: n.global_ranks(topo.gpus_per_node) for n in topo.nodes},
             world=world,

@@ -21,6 +21,7 @@ from trainer.controller.launcher.launch import Launcher
 from trainer.controller.launcher.live import LiveView
 from trainer.controller.launcher.plan import COMMAND_EPILOG, JobPlan, add_job_arguments, plan_from_args
 from trainer.controller.launcher.restarts import RestartPolicy
+from trainer.controller.launcher.stall import STALL_FLOOR_S, STALL_STEP_FACTOR
 from trainer.controller.launcher.stop import stop_run
 from trainer.controller.launcher.wire import LAUNCH_VARS, PLAYBOOKS, START_SKIP_TAG, WatchOptions, launch_env
 from trainer.controller.launcher.world import WORLD_TIMEOUT_S
@@ -138,8 +139,10 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="stop every node when no rank advances a step (bundled trainer; counted from its ranks' "
         "first report) or no node prints a line "
-        f"(your command) for S seconds, naming the ranks behind (default: {BUNDLED_STALL_TIMEOUT_S:g} for "
-        "the bundled trainer, off for your command; 0: off)",
+        "(your command) for S seconds, naming the ranks behind (default for the bundled trainer: "
+        f"{STALL_STEP_FACTOR:g} × its slowest step, at least {STALL_FLOOR_S:g} s; "
+        f"{BUNDLED_STALL_TIMEOUT_S:g} s before its steps' times are known and during an evaluation or "
+        "a checkpoint save; off for your command; 0: off)",
     )
     parser.add_argument(
         "--stop-grace",
@@ -170,10 +173,13 @@ def watch_options(
         return saved.get(key, default) if key in saved else default
 
     stall = pick(args.stall_timeout, "stall_timeout_s", BUNDLED_STALL_TIMEOUT_S if bundled else None)
+    # Adaptive unless the command line gave a bound (or the launch being attached to was given one).
+    adaptive = args.stall_timeout is None and bool(saved.get("stall_adaptive", bundled))
     return WatchOptions(
         poll_interval_s=float(pick(args.poll_interval, "poll_interval_s", 2.0)),
         unreachable_grace_s=float(pick(args.unreachable_grace, "unreachable_grace_s", 60.0)),
         stall_timeout_s=float(stall) if stall else None,
+        stall_adaptive=adaptive and bool(stall),
         stop_grace_s=float(pick(args.stop_grace, "stop_grace_s", 10.0)),
         world_timeout_s=float(pick(args.world_timeout, "world_timeout_s", WORLD_TIMEOUT_S)),
     )

@@ -21,7 +21,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rich.console import Console
@@ -32,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainer.controller.launcher.rank_output import RankOutput
+from trainer.controller.launcher.stall import stall_bound
 from trainer.controller.launcher.world import WorldCheck
 from trainer.peer_loss import is_peer_loss
 
@@ -367,6 +368,8 @@ class Stall:
     """(host, rank or None for a whole node, the step it was in or None)."""
     leading_step: int | None
     summary: str
+    bound: str = ""
+    """What the bound that was passed rests on (stall.stall_bound), for the report."""
 
 
 class JobMonitor:
@@ -385,6 +388,7 @@ class JobMonitor:
         *,
         unreachable_grace_s: float = 60.0,
         stall_timeout_s: float | None = None,
+        stall_adaptive: bool = False,
         progress_from_steps: bool = True,
         ranks: dict[str, range] | None = None,
         world: WorldCheck | None = None,
@@ -394,6 +398,9 @@ class JobMonitor:
         self.view = view
         self.unreachable_grace_s = unreachable_grace_s
         self.stall_timeout_s = stall_timeout_s
+        #: The bundled trainer without --stall-timeout: stall_timeout_s is the ceiling of a bound that
+        #: adapts to the steps' times (stall.stall_bound).
+        self.stall_adaptive = stall_adaptive and progress_from_steps
         self.progress_from_steps = progress_from_steps
         self.ranks = ranks or {}
         #: A user's command on several nodes: whether every worker joined the head's job (world.py).
@@ -475,8 +482,9 @@ class JobMonitor:
         if report.get("rank_exits"):
             hs.rank_exits = self._well_formed(hs, report["rank_exits"], well_formed_exit, "exit record")
         if self.progress_from_steps:
+            # An announced pause beginning or ending is progress too: the bound changes with it.
             key = tuple(
-                (h.host, rank, r.get("started"), r.get("done"))
+                (h.host, rank, r.get("started"), r.get("done"), r.get("phase"))
                 for h in self.hosts.values()
                 for rank, r in sorted(h.progress.items())
             )
@@ -577,12 +585,19 @@ class JobMonitor:
             and self.watchdog_armed
             and self.stall is None
             and not self.failed
-            and silent > self.stall_timeout_s
             and not all(hs.final for hs in self.hosts.values())
         ):
-            self.stall = self._stall(silent)
-            self.stalled_at = now
-            self._note_failure()
+            bound, why = self.stall_bound()
+            if silent > bound:
+                self.stall = replace(self._stall(silent), bound=why)
+                self.stalled_at = now
+                self._note_failure()
+
+    def stall_bound(self) -> tuple[float, str]:
+        """(seconds without progress that make a stall now, what that rests on): stall.stall_bound over
+        every rank's last progress record."""
+        records = [r for hs in self.hosts.values() for r in hs.progress.values()]
+        return stall_bound(records, float(self.stall_timeout_s or 0), self.stall_adaptive)
 
     def tick(self) -> None:
         self.check_time()

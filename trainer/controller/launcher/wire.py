@@ -17,6 +17,7 @@ from trainer.controller import forks
 from trainer.controller.launcher.command_forms import script_of
 from trainer.controller.launcher.plan import JobPlan
 from trainer.controller.launcher.runscript import node_dir, run_script
+from trainer.controller.launcher.stall import STALL_FLOOR_S
 from trainer.controller.launcher.topology import AUTO_IFNAME
 from trainer.controller.launcher.world import WORLD_TIMEOUT_S
 
@@ -100,6 +101,10 @@ class WatchOptions:
     poll_interval_s: float = 2.0
     unreachable_grace_s: float = 60.0
     stall_timeout_s: float | None = None
+    #: The bundled trainer without --stall-timeout: the bound adapts to the job (live.stall_bound_s), and
+    #: stall_timeout_s is its ceiling, the bound before the steps' times are known and during an
+    #: announced evaluation or checkpoint save.
+    stall_adaptive: bool = False
     stop_grace_s: float = 10.0
     world_timeout_s: float = WORLD_TIMEOUT_S
 
@@ -115,7 +120,7 @@ class WatchOptions:
         this late at most), never under the poll interval."""
         bounds = [QUIET_S, self.unreachable_grace_s / 6]
         if self.stall_timeout_s:
-            bounds.append(self.stall_timeout_s / 4)
+            bounds.append((STALL_FLOOR_S if self.stall_adaptive else self.stall_timeout_s) / 4)
         return max(self.poll_interval_s, min(bounds))
 
     @property

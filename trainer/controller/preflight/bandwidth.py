@@ -251,7 +251,7 @@ def measure(
             answer = by_pair.get((client, server))
             started = servers.get(f"{server}#{scheduled['index']}") or {}
             absent = next((end for end in (client, server) if end not in ran), None)
-            if absent is not None:
+            if absent is not None and (answer is None or answer.get("error")):
                 found.pairs[(client, server)] = (None, None, why_missing(absent))
             elif started.get("started") is False and started.get("error") and not started.get("skipped"):
                 # The client's "unable to connect" would hide why; the server step names the cause.
