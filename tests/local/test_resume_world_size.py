@@ -16,7 +16,7 @@ import json
 import shutil
 
 import pytest
-from helpers.finetune_harness import chat_data, hf_cache, tiny_model  # noqa: F401
+from helpers.finetune_harness import chat_data_600, hf_cache, tiny_model  # noqa: F401
 from helpers.trainer_harness import (
     RESIZE_GPT,
     finish,
@@ -248,12 +248,12 @@ def test_finetuning_resumed_at_another_world_size_trains_the_uninterrupted_runs_
     run_trainer,
     tmp_path,
     tiny_model,  # noqa: F811
-    chat_data,  # noqa: F811
+    chat_data_600,  # noqa: F811
 ):
     extra, world_sizes = HF[name]
     finetune = [
         f"model.name_or_path={tiny_model}",
-        f"data.path={chat_data}",
+        f"data.path={chat_data_600}",
         "model.max_length=128",
         *[setting for setting in GPT if not setting.startswith("model.")],
         *extra,
