@@ -62,6 +62,7 @@ class Progress:
         self._stall = _parse_stall(os.environ.get(STALL_VARIABLE, ""), rank)
         self._raise = _parse_stall(os.environ.get(RAISE_VARIABLE, ""), rank)
         self._wake = threading.Event()
+        self._write_lock = threading.Lock()
         self._closed = False
         self._stack_file: IO[str] | None = None
         self._thread: threading.Thread | None = None
@@ -139,8 +140,10 @@ class Progress:
         if self.directory is None:
             return
         target = self.directory / f"rank-{self.rank}.json"
-        # An error is let go: the watchdog sees no progress from this rank; training goes on.
-        with contextlib.suppress(OSError):
+        # An error is let go: the watchdog sees no progress from this rank; training goes on. One writer
+        # at a time, the record read inside: the background writer's older record, read before an
+        # announced pause began, must not land after the pause's own write.
+        with self._write_lock, contextlib.suppress(OSError):
             # Exclusively, never through a link (trainer.safe_files): the dir is on the share.
             write_file(target, json.dumps(self.record()), umask_mode())
 
