@@ -79,13 +79,18 @@ def iperf_rounds(cluster: Cluster, full: bool = False) -> list[dict[str, Any]]:
     return with_ports(cluster, [{"index": i, "pairs": pairs} for i, pairs in enumerate(rounds, start=1)])
 
 
-def with_ports(cluster: Cluster, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """rounds ({index, pairs: [(client, server)] or [{client, server}]}) with each pair's port."""
+def _test_ports(cluster: Cluster) -> tuple[str, int, int]:
+    """(the comm port range, the master port, how many of the range's ports a test may take)."""
     head = cluster.head
     comm_range = str(head.get("cluster_comm_port_range", "29400:29999"))
     master = int(head.get("cluster_master_port", 29500))
     low, high = parse_port_range(comm_range)
-    room = high - low + 1 - (low <= master <= high)
+    return comm_range, master, high - low + 1 - (low <= master <= high)
+
+
+def with_ports(cluster: Cluster, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """rounds ({index, pairs: [(client, server)] or [{client, server}]}) with each pair's port."""
+    comm_range, master, room = _test_ports(cluster)
     ports = bandwidth_ports(comm_range, master, max(1, min(len(rounds), room)))
     placed = []
     for scheduled in rounds:
@@ -99,12 +104,8 @@ def iperf_reach(cluster: Cluster, rounds: list[dict[str, Any]]) -> dict[str, dic
     """name -> its reach pass (iperf_pair.py --reach): the port it listens on and connects to, one of
     the comm range's that no round's server takes, and the peers it has a test with. {} when the
     range has no port to spare (the rounds are tested without it, as before it)."""
-    head = cluster.head
-    comm_range = str(head.get("cluster_comm_port_range", "29400:29999"))
-    master = int(head.get("cluster_master_port", 29500))
+    comm_range, master, room = _test_ports(cluster)
     taken = {pair["port"] for r in rounds for pair in r["pairs"]}
-    low, high = parse_port_range(comm_range)
-    room = high - low + 1 - (low <= master <= high)
     if room <= len(taken):
         return {}
     port = bandwidth_ports(comm_range, master, len(taken) + 1)[-1]
@@ -198,6 +199,9 @@ def extravars(
     comm_range = str(head.get("cluster_comm_port_range", "29400:29999"))
     parse_port_range(comm_range)  # a clear error before anything runs
     token = token or secrets.token_hex(8)
+    scheduled = []
+    if IPERF_TEST in probes:
+        scheduled = with_ports(cluster, rounds) if rounds else iperf_rounds(cluster, full)
     return {
         "preflight_nodes": [{"name": h.name, "address": h.address} for h in cluster.hosts],
         "preflight_addresses": {h.name: h.address for h in cluster.hosts},
@@ -209,16 +213,10 @@ def extravars(
         "preflight_probes": sorted(probes),
         "preflight_requests": node_requests(cluster, checks, token, model_dir, io_timeout_s),
         "preflight_io_timeout_s": io_timeout_s,
-        "preflight_iperf_plan": iperf_plan(
-            cluster, with_ports(cluster, rounds) if rounds else iperf_rounds(cluster, full)
-        )
-        if IPERF_TEST in probes
-        else {},
+        "preflight_iperf_plan": iperf_plan(cluster, scheduled) if IPERF_TEST in probes else {},
         # A first measurement tries each pair's connections both ways before any test; a second one
         # measures again pairs that were tested.
-        "preflight_iperf_reach": iperf_reach(cluster, iperf_rounds(cluster, full))
-        if IPERF_TEST in probes and rounds is None
-        else {},
+        "preflight_iperf_reach": iperf_reach(cluster, scheduled) if scheduled and rounds is None else {},
         "preflight_iperf_seconds": iperf_seconds,
         "preflight_ssh_logins": ssh_logins(cluster, full) if SSH in probes and rounds is None else {},
     }
