@@ -296,7 +296,7 @@ def phases(inventory: Path, run_name: str) -> list[tuple[str, float]]:
                 mark("first step shown (the watch's poll)")
                 raise FirstStep
 
-    extravars = launcher.extravars(launch_files=launcher.files, launch_info=launcher.info())
+    extravars = launcher.extravars(launch_files=launcher.files, launch_info=launcher.record().to_json())
     try:
         launcher._run("start.yml", extravars, on_event=on_event, on_message=on_message)
     except (FirstStep, KeyboardInterrupt):

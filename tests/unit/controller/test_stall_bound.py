@@ -9,6 +9,7 @@ import argparse
 import pytest
 
 from trainer.controller.launcher.launch_cli import BUNDLED_STALL_TIMEOUT_S, watch_options
+from trainer.controller.launcher.launch_record import LaunchRecord
 from trainer.controller.launcher.stall import STALL_FLOOR_S, stall_bound
 
 
@@ -60,5 +61,5 @@ def test_the_bundled_trainer_adapts_unless_a_bound_is_given_and_a_users_command_
     own = watch_options(parsed(), bundled=False)
     assert not own.stall_adaptive and own.stall_timeout_s is None
     # `trainer attach` keeps what the launch it follows was given.
-    saved = {"stall_timeout_s": 90.0, "stall_adaptive": False}
+    saved = LaunchRecord.from_json({"command": [], "stall_timeout_s": 90.0, "stall_adaptive": False}).watch
     assert not watch_options(parsed(), bundled=True, saved=saved).stall_adaptive

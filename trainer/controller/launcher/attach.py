@@ -40,11 +40,12 @@ from trainer.controller.launcher.launch_cli import (
     install_signal_handlers,
     watch_options,
 )
+from trainer.controller.launcher.launch_record import RestartState
 from trainer.controller.launcher.live import LiveView, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.runlock import LockError, describe_holder, holder_state
-from trainer.controller.launcher.status import MALFORMED, launch_info, launched_nodes, launcher_alive
+from trainer.controller.launcher.status import MALFORMED, launcher_alive, read_launch_record
 
 EXAMPLES = ("trainer attach -i inventory/mycluster --run-name qwen-lora  # after its launcher died",)
 
@@ -66,15 +67,15 @@ def run(args: argparse.Namespace) -> int:
     except PlanningError as err:
         print(f"trainer attach: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    info, _, problem = launch_info(plan)
-    nodes = launched_nodes(info) if info is not None else None
-    if info is None or nodes is None:
+    record, _, problem = read_launch_record(plan)
+    nodes = record.nodes if record is not None else None
+    if record is None or nodes is None:
         print(f"trainer attach: {printable(problem or f'run {args.run_name}: {MALFORMED}')}", file=sys.stderr)
         return exitcodes.FAILURE
     try:
         # The launch's own nodes (--exclude-failed may have left some out) and kind of job.
         cluster = dataclasses.replace(cluster, workers=tuple(h for h in cluster.workers if h.name in nodes))
-        plan = make_plan(cluster, run_name=args.run_name, command=tuple(info.get("command") or ()))
+        plan = make_plan(cluster, run_name=args.run_name, command=record.command)
     except PlanningError as err:
         print(f"trainer attach: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
@@ -89,19 +90,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainer attach: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     launcher = Launcher(
-        plan, watch_options(args, plan.runs_bundled_trainer, saved=info), command="trainer attach"
+        plan, watch_options(args, plan.runs_bundled_trainer, saved=record.watch), command="trainer attach"
     )
-    launcher.launch_id = str(info.get("launch_id") or launcher.launch_id)
-    launcher.attempt_number = int(info.get("attempt") or 1)
+    launcher.launch_id = record.launch_id or launcher.launch_id
+    launcher.attempt_number = record.attempt or 1
     view = LiveView()
-    if launcher_alive(info):
+    if launcher_alive(record):
         view.message(
-            f"note: the launcher that started this launch (pid {info.get('launcher_pid')}) still runs and "
+            f"note: the launcher that started this launch (pid {record.launcher_pid}) still runs and "
             "follows it too"
         )
     install_signal_handlers(view)
     adopt_lock(launcher, view)
-    max_restarts, used = int(info.get("max_restarts") or 0), int(info.get("restarts") or 0)
+    kept = record.restart or RestartState()
+    max_restarts, used = kept.max_restarts, kept.restarts
     may_restart = launcher.lock.held and used < max_restarts
     policy = RestartPolicy(
         launcher,

@@ -32,9 +32,7 @@ cause and its consequences; restarts.py is the policy above it (--max-restarts, 
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import time
 import uuid
 from typing import Any
@@ -42,6 +40,7 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.launcher.attempt_events import FollowEvents, StartEvents, StartHandshake, StepFailure
 from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
+from trainer.controller.launcher.launch_record import LaunchRecord, RestartState
 from trainer.controller.launcher.launchfiles import launch_files
 from trainer.controller.launcher.live import JobMonitor, LiveView, Stall, node_text
 from trainer.controller.launcher.plan import JobPlan
@@ -85,7 +84,7 @@ class Launcher:
         #: The run's lock on the head (runlock.py): taken before the first probe, kept across restarts.
         self.lock = RunLock(plan.run_name, plan.launch_dir, command)
         #: The restart policy's state (restarts.RestartPolicy.state): in launch.json, for `trainer attach`.
-        self.policy: dict[str, Any] = {}
+        self.policy: RestartState | None = None
         #: Restart with the run.sh, secret variables and run files the nodes already have (`trainer
         #: attach`, which has not the launch's config, --set and --env): nothing is written but the
         #: new launch id, the launch record and this helper.
@@ -115,36 +114,15 @@ class Launcher:
 
     # --- what the playbooks get ---------------------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
+    def record(self) -> LaunchRecord:
         """launch.json on every node: what `trainer status` and `trainer attach` read back."""
-        plan, options = self.plan, self.options
-        return {
-            "launch_id": self.launch_id,
-            "run_name": plan.run_name,
-            "attempt": self.attempt_number,
-            "bundled_trainer": plan.runs_bundled_trainer,
-            "command": list(plan.user_command),
-            "head": plan.topology.head.host,
-            "nodes": {n.host: n.node_rank for n in plan.topology.nodes},
-            "gpus_per_node": plan.topology.gpus_per_node,
-            "launched_at": time.time(),
-            "controller": socket.gethostname(),
-            "launcher_pid": os.getpid(),
-            "poll_interval_s": options.poll_interval_s,
-            "unreachable_grace_s": options.unreachable_grace_s,
-            "stall_timeout_s": options.stall_timeout_s,
-            "stall_adaptive": options.stall_adaptive,
-            "stop_grace_s": options.stop_grace_s,
-            "world_timeout_s": options.world_timeout_s,
-            # A user's command on several nodes: each worker's node_ctl reports whether it connected
-            # to the head (world.py judges it).
-            "world_check": {"head_address": plan.topology.master_addr} if plan.world_checked else {},
-            "micro_batch_size": plan.micro_batch_size if plan.runs_bundled_trainer else None,
-            "gradient_accumulation_steps": plan.gradient_accumulation_steps
-            if plan.runs_bundled_trainer
-            else None,
-            **self.policy,
-        }
+        return LaunchRecord.of_attempt(
+            self.plan,
+            self.options,
+            launch_id=self.launch_id,
+            attempt=self.attempt_number,
+            restart=self.policy,
+        )
 
     def extravars(self, **extra: Any) -> dict[str, Any]:
         """The variables of this launch's playbooks (wire.launch_vars); `extra` as there."""
@@ -272,7 +250,7 @@ class Launcher:
         view: LiveView,
         record: dict[str, Any],
         *,
-        policy: dict[str, Any] | None = None,
+        policy: RestartState | None = None,
         final: bool = True,
         leave_lost: bool = False,
     ) -> Outcome:
@@ -281,7 +259,7 @@ class Launcher:
         for launch.json; `final`: no restart can follow, so the stop releases the run's lock;
         `leave_lost`: the next attempt goes on without a lost node, so its stop does not wait for it
         (a vanished node's connection would only time out), else it is tried like any other."""
-        self.policy = dict(policy or {})
+        self.policy = policy
         self.attempt_number += 1
         monitor = self.monitor(view)
         view.states(monitor.ordered)
@@ -291,11 +269,11 @@ class Launcher:
         extravars = self._start_vars(record)
         return self._play("start.yml", extravars, events, view, final=final, leave_lost=leave_lost)
 
-    def follow(self, view: LiveView, *, policy: dict[str, Any] | None = None, final: bool = True) -> Outcome:
+    def follow(self, view: LiveView, *, policy: RestartState | None = None, final: bool = True) -> Outcome:
         """`trainer attach`: follow the launch that is already running (its launch_id and
         attempt_number are launch.json's) until it ends, fails or stalls, as `attempt` does once its
         nodes have started. `policy` and `final` as for `attempt`."""
-        self.policy = dict(policy or {})
+        self.policy = policy
         plan, topo = self.plan, self.plan.topology
         monitor = self.monitor(view)
         view.states(monitor.ordered)
@@ -341,7 +319,7 @@ class Launcher:
         (reuse_node_files) the nodes' own kept."""
         extravars = self.extravars(
             launch_files={} if self.reuse_node_files else self.files,
-            launch_info=self.info(),
+            launch_info=self.record().to_json(),
             launch_record={**record, "launch_id": self.launch_id, "attempt": self.attempt_number},
             launch_reuse=self.reuse_node_files,
         )

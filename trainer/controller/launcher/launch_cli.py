@@ -23,7 +23,14 @@ from trainer.controller.launcher.plan import COMMAND_EPILOG, JobPlan, add_job_ar
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.stall import STALL_FLOOR_S, STALL_STEP_FACTOR
 from trainer.controller.launcher.stop import stop_run
-from trainer.controller.launcher.wire import LAUNCH_VARS, PLAYBOOKS, START_SKIP_TAG, WatchOptions, launch_env
+from trainer.controller.launcher.wire import (
+    BUNDLED_STALL_TIMEOUT_S,
+    LAUNCH_VARS,
+    PLAYBOOKS,
+    START_SKIP_TAG,
+    WatchOptions,
+    launch_env,
+)
 from trainer.controller.launcher.world import WORLD_TIMEOUT_S
 from trainer.controller.runner import PrestartedRun, prestart_playbook
 
@@ -34,8 +41,6 @@ EXAMPLES = (
     "trainer launch -i inventory/mycluster --run-name qwen-lora finetune-lora.yaml --max-restarts 2",
     "trainer launch -i inventory/mycluster --env WANDB_API_KEY -- bash finetune/finetune_lora_ds.sh",
 )
-#: The bundled trainer's default --stall-timeout (a user's command has none unless given).
-BUNDLED_STALL_TIMEOUT_S = 600.0
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -161,27 +166,24 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def watch_options(
-    args: argparse.Namespace, bundled: bool, saved: dict[str, Any] | None = None
-) -> WatchOptions:
-    """The command line's watch settings; what it leaves out from `saved` (launch.json), else defaults."""
-    saved = saved or {}
+def watch_options(args: argparse.Namespace, bundled: bool, saved: WatchOptions | None = None) -> WatchOptions:
+    """The command line's watch settings; what it leaves out from `saved` (the launch's own, from its
+    launch.json), else the defaults for a job of its kind."""
+    base = saved or WatchOptions.defaults(bundled)
 
-    def pick(arg: float | None, key: str, default: float | None) -> float | None:
-        if arg is not None:
-            return arg
-        return saved.get(key, default) if key in saved else default
+    def pick(arg: float | None, kept: float | None) -> float | None:
+        return arg if arg is not None else kept
 
-    stall = pick(args.stall_timeout, "stall_timeout_s", BUNDLED_STALL_TIMEOUT_S if bundled else None)
+    stall = pick(args.stall_timeout, base.stall_timeout_s)
     # Adaptive unless the command line gave a bound (or the launch being attached to was given one).
-    adaptive = args.stall_timeout is None and bool(saved.get("stall_adaptive", bundled))
+    adaptive = args.stall_timeout is None and base.stall_adaptive
     return WatchOptions(
-        poll_interval_s=float(pick(args.poll_interval, "poll_interval_s", 2.0)),
-        unreachable_grace_s=float(pick(args.unreachable_grace, "unreachable_grace_s", 60.0)),
+        poll_interval_s=float(pick(args.poll_interval, base.poll_interval_s)),
+        unreachable_grace_s=float(pick(args.unreachable_grace, base.unreachable_grace_s)),
         stall_timeout_s=float(stall) if stall else None,
         stall_adaptive=adaptive and bool(stall),
-        stop_grace_s=float(pick(args.stop_grace, "stop_grace_s", 10.0)),
-        world_timeout_s=float(pick(args.world_timeout, "world_timeout_s", WORLD_TIMEOUT_S)),
+        stop_grace_s=float(pick(args.stop_grace, base.stop_grace_s)),
+        world_timeout_s=float(pick(args.world_timeout, base.world_timeout_s)),
     )
 
 

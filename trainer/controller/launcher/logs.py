@@ -32,10 +32,9 @@ from trainer.controller.launcher.status import (
     MALFORMED,
     PLAYBOOKS,
     describe_report,
-    launch_info,
-    launched_nodes,
     plan_for_status,
     problem_of,
+    read_launch_record,
     read_nodes,
     report_of,
 )
@@ -103,12 +102,12 @@ def run(args: argparse.Namespace) -> int:
         return exitcodes.CONFIG_ERROR
     # The head first: its launch.json names the launch's nodes (after --exclude-failed, not the
     # inventory's). With -f the watch brings the head's last lines itself.
-    info, head_report, problem = launch_info(plan, 0 if args.follow else args.lines)
-    if info is None:
+    record, head_report, problem = read_launch_record(plan, 0 if args.follow else args.lines)
+    if record is None:
         note(problem)
         # The head answered and has no such run: the name is wrong. Else the head is out of reach.
         return exitcodes.CONFIG_ERROR if head_report is not None else exitcodes.FAILURE
-    launched = launched_nodes(info)
+    launched = record.nodes
     if launched is None:
         note(f"run {plan.run_name}: {MALFORMED}")
         return exitcodes.FAILURE

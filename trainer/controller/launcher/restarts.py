@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from trainer import exitcodes
 from trainer.controller.inventory import PlanningError
 from trainer.controller.launcher.failure import Outcome
+from trainer.controller.launcher.launch_record import RestartState
 from trainer.controller.launcher.live import node_text
 from trainer.controller.launcher.plan import JobPlan
 
@@ -80,7 +81,7 @@ class Attempts(Protocol):
         view: LiveView,
         record: dict[str, Any],
         *,
-        policy: dict[str, Any] | None = None,
+        policy: RestartState | None = None,
         final: bool = True,
         leave_lost: bool = False,
     ) -> Outcome: ...
@@ -123,14 +124,14 @@ class RestartPolicy:
         #: ask it, such as a probe that failed).
         self.latest_checkpoint = ""
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> RestartState:
         """What launch.json records of the policy (`trainer attach` goes on with it)."""
-        return {
-            "max_restarts": self.max_restarts,
-            "exclude_failed": self.exclude_failed,
-            "allow_batch_change": self.allow_batch_change,
-            "restarts": self.restarts,
-        }
+        return RestartState(
+            max_restarts=self.max_restarts,
+            exclude_failed=self.exclude_failed,
+            allow_batch_change=self.allow_batch_change,
+            restarts=self.restarts,
+        )
 
     @property
     def plan(self) -> JobPlan:

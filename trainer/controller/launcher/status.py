@@ -20,6 +20,7 @@ from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.forks import forks_for
 from trainer.controller.inventory import PlanningError
+from trainer.controller.launcher.launch_record import LaunchRecord
 from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state, time_text
@@ -66,7 +67,9 @@ def problem_of(result: PlaybookResult, host: str) -> str:
     return "no answer"
 
 
-def launch_info(plan: JobPlan, tail: int = 0) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str]:
+def read_launch_record(
+    plan: JobPlan, tail: int = 0
+) -> tuple[LaunchRecord | None, dict[str, Any] | None, str]:
     """(launch.json, the head's report, a problem): what the head says about the run's last launch."""
     head = plan.topology.head
     result = read_nodes(plan, {head.host: 0}, tail)
@@ -77,31 +80,19 @@ def launch_info(plan: JobPlan, tail: int = 0) -> tuple[dict[str, Any] | None, di
         runs = [name for name in report.get("runs") or [] if name != plan.run_name]
         known = f"; runs launched there: {', '.join(runs)} (--run-name NAME)" if runs else ""
         return None, report, f"run {plan.run_name} has no launch on {head.host} ({plan.launch_dir}){known}"
-    info = report["info"]
-    return (info if isinstance(info, dict) else {"nodes": None}), report, ""
-
-
-def launched_nodes(info: dict[str, Any]) -> dict[str, int] | None:
-    """launch.json's nodes (host -> node rank); None when they are not that (the node dir is the
-    training account's: its records are checked, never trusted to parse)."""
-    nodes = info.get("nodes")
-    if not isinstance(nodes, dict):
-        return None
-    if not all(isinstance(rank, int) and not isinstance(rank, bool) for rank in nodes.values()):
-        return None
-    return {str(host): rank for host, rank in nodes.items()}
+    return LaunchRecord.from_json(report["info"]), report, ""
 
 
 MALFORMED = "its launch.json on the head names no nodes as host -> node rank (it was changed there)"
 
 
-def launcher_alive(info: dict[str, Any]) -> bool:
+def launcher_alive(record: LaunchRecord) -> bool:
     """Whether the launcher that started this launch still runs (known only on its own machine)."""
-    if info.get("controller") != socket.gethostname():
+    if record.controller != socket.gethostname() or record.launcher_pid is None:
         return False
     try:
-        command = Path(f"/proc/{int(info['launcher_pid'])}/cmdline").read_bytes()
-    except (OSError, KeyError, ValueError, TypeError):
+        command = Path(f"/proc/{record.launcher_pid}/cmdline").read_bytes()
+    except OSError:
         return False
     return b"trainer" in command and (b"launch" in command or b"attach" in command)
 
@@ -156,13 +147,13 @@ def run(args: argparse.Namespace) -> int:
     except PlanningError as err:
         print(f"trainer status: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    info, head_report, problem = launch_info(plan, args.lines)
-    if info is None:
+    record, head_report, problem = read_launch_record(plan, args.lines)
+    if record is None:
         say(f"trainer status: {problem}", file=sys.stderr)
         # The head answered and has no such run: the name is wrong (exit 2, as stop and logs). Else the
         # head is out of reach.
         return exitcodes.CONFIG_ERROR if head_report is not None else exitcodes.FAILURE
-    nodes = launched_nodes(info)
+    nodes = record.nodes
     if nodes is None:
         say(f"trainer status: run {plan.run_name}: {MALFORMED}", file=sys.stderr)
         return exitcodes.FAILURE
@@ -171,15 +162,15 @@ def run(args: argparse.Namespace) -> int:
     reports = {plan.topology.head.host: head_report}
     reports.update({host: report_of(result, host) for host in others} if result else {})
     if args.json:
-        print(json.dumps({"info": info, "reports": reports}, indent=2))
+        print(json.dumps({"info": record.as_read, "reports": reports}, indent=2))
         return exitcodes.OK if all(reports.values()) else exitcodes.FAILURE
-    started = time_text(info.get("launched_at"))
-    follower = f"launcher pid {info.get('launcher_pid')} on {info.get('controller')}" + (
-        " (still running)" if launcher_alive(info) else ""
+    started = time_text(record.launched_at)
+    follower = f"launcher pid {record.launcher_pid} on {record.controller}" + (
+        " (still running)" if launcher_alive(record) else ""
     )
-    what = "the bundled trainer" if info.get("bundled_trainer") else "your command"
+    what = "the bundled trainer" if record.bundled_trainer else "your command"
     say(
-        f"run {plan.run_name}: launch {info.get('launch_id')} (attempt {info.get('attempt', 1)}) of {what} "
+        f"run {plan.run_name}: launch {record.launch_id} (attempt {record.attempt or 1}) of {what} "
         f"on {len(nodes)} node(s), started {started} by {follower}"
     )
     lock = (head_report or {}).get("lock")

@@ -24,10 +24,11 @@ from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import Cluster, PlanningError, load_cluster
 from trainer.controller.launcher.launch import Launcher
+from trainer.controller.launcher.launch_record import LaunchRecord
 from trainer.controller.launcher.live import LiveView, node_text, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state
-from trainer.controller.launcher.status import MALFORMED, launch_info, launched_nodes
+from trainer.controller.launcher.status import MALFORMED, read_launch_record
 from trainer.controller.launcher.wire import STOP_TASK, WatchOptions
 from trainer.controller.runner import PlaybookResult
 
@@ -72,12 +73,12 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
     view = LiveView()
     try:
         plan = make_plan(cluster, run_name=run_name)
-        info, head_report, problem = launch_info(plan)
-        if info is not None and launched_nodes(info) is None:
+        record, head_report, problem = read_launch_record(plan)
+        if record is not None and record.nodes is None:
             # A stop goes on whatever the head's records say: every node of the inventory.
             view.message(f"run {run_name}: {MALFORMED}: stopping the run on every node of the inventory")
-        elif info is not None:
-            plan = launched_plan(cluster, run_name, info)
+        elif record is not None:
+            plan = launched_plan(cluster, run_name, record.nodes)
         elif head_report is not None and run_name not in (head_report.get("runs") or []):
             raise StopError(problem)
         else:
@@ -88,8 +89,8 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
         print(f"{verb}: {printable(str(err))}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     launcher = Launcher(plan, options, command=verb)
-    launcher.launch_id = str((info or {}).get("launch_id") or launcher.launch_id)
-    result = launcher.stop(record=stop_record(info, verb))
+    launcher.launch_id = (record and record.launch_id) or launcher.launch_id
+    result = launcher.stop(record=stop_record(record, verb))
     report_stop(launcher, result, view)
     holder = (head_report or {}).get("lock")
     if holder and holder_state(holder) == "dead":
@@ -101,9 +102,9 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
     return exitcodes.OK if result.succeeded else exitcodes.FAILURE
 
 
-def launched_plan(cluster: Cluster, run_name: str, info: dict[str, Any]) -> JobPlan:
-    """The plan of the launch `info` (launch.json) describes: its own nodes, with their own ranks."""
-    nodes = launched_nodes(info) or {}
+def launched_plan(cluster: Cluster, run_name: str, nodes: dict[str, int]) -> JobPlan:
+    """The plan of the launch on `nodes` (launch.json's host -> node rank): its own nodes, with their own
+    ranks."""
     plan = make_plan(
         dataclasses.replace(cluster, workers=tuple(h for h in cluster.workers if h.name in nodes)),
         run_name=run_name,
@@ -116,7 +117,7 @@ def launched_plan(cluster: Cluster, run_name: str, info: dict[str, Any]) -> JobP
     return plan
 
 
-def stop_record(info: dict[str, Any] | None, verb: str) -> dict[str, Any]:
+def stop_record(launch: LaunchRecord | None, verb: str) -> dict[str, Any]:
     """The head's history record of this stop: who asked for it."""
     try:
         user = getpass.getuser()
@@ -124,8 +125,8 @@ def stop_record(info: dict[str, Any] | None, verb: str) -> dict[str, Any]:
         user = "?"
     return {
         "event": "stopped",
-        "launch_id": (info or {}).get("launch_id"),
-        "attempt": (info or {}).get("attempt"),
+        "launch_id": launch.launch_id if launch else None,
+        "attempt": launch.attempt if launch else None,
         "why": "stop_command",
         "detail": f"{verb} by {user} on {socket.gethostname()}",
         "hosts": [],

@@ -77,6 +77,8 @@ LAUNCH_VARS = frozenset(
         "launch_reuse",
     }
 )
+#: The bundled trainer's default --stall-timeout (a user's command has none unless given).
+BUNDLED_STALL_TIMEOUT_S = 600.0
 #: The longest a follow's poll waits on a quiet node (WatchOptions.quiet_s): following a node costs the
 #: controller a round trip (an ssh client, a worker's wake-up) per poll, 0.2 % of a core at one per
 #: 2 s; one per 10 s costs a fifth of it, and a node's end still answers at once.
@@ -107,6 +109,12 @@ class WatchOptions:
     stall_adaptive: bool = False
     stop_grace_s: float = 10.0
     world_timeout_s: float = WORLD_TIMEOUT_S
+
+    @classmethod
+    def defaults(cls, bundled: bool) -> WatchOptions:
+        """What a launch is followed with when the command line gives nothing: the bundled trainer's
+        stall bound adapts to the job (under BUNDLED_STALL_TIMEOUT_S), a user's command has none."""
+        return cls(stall_timeout_s=BUNDLED_STALL_TIMEOUT_S if bundled else None, stall_adaptive=bundled)
 
     @property
     def status_timeout_s(self) -> float:
