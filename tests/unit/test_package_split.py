@@ -32,10 +32,10 @@ import importlib, pkgutil, sys
 blocked = set(sys.argv[2].split(","))
 sys.modules.update(dict.fromkeys(blocked))
 package = importlib.import_module(sys.argv[1])
-# trainer.ds_config and trainer.engine_names are shared: both sides import them (the DeepSpeed config
-# builder, the engine names), so both import them here.
+# trainer.ds_config, trainer.engine_names and trainer.run_paths are shared: both sides import them (the
+# DeepSpeed config builder, the engine names, a run's paths), so both import them here.
 names = [sys.argv[1], "trainer.cli", "trainer.exitcodes", "trainer.configerror", "trainer.redaction"]
-names += ["trainer.ds_config", "trainer.engine_names"]
+names += ["trainer.ds_config", "trainer.engine_names", "trainer.run_paths"]
 names += [m.name for m in pkgutil.walk_packages(package.__path__, sys.argv[1] + ".")]
 for name in names:
     importlib.import_module(name)

@@ -24,12 +24,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.run_paths import RunPaths
 from trainer.safe_files import read_bytes, read_text, umask_mode, write_file
 
 HTML_FILE = "report.html"
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
-HISTORY_FILE = Path("launch") / "history.jsonl"
+#: The launcher's record of the run's launches, restarts and stops, relative to the run dir.
+HISTORY_FILE = RunPaths(Path()).history
 
 #: Nothing may be fetched or run: images only from the page itself, styles only inline.
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"

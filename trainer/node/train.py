@@ -38,6 +38,7 @@ from trainer.node.checkpoint import (
     CheckpointWriter,
     DiskFull,
     check_resumable,
+    checkpoints_dir,
     find_resume_point,
     free_bytes,
     human_size,
@@ -426,7 +427,7 @@ def _check_room_to_resume(config: TrainerConfig, topology: Topology, resume_from
     next_save = min(next_save or config.train.max_steps, config.train.max_steps)
     problem = distributed.gather(
         space_problem(
-            Path(config.output_dir) / "checkpoints",
+            checkpoints_dir(config.output_dir),
             step=next_save,
             save_total_limit=config.checkpoint.save_total_limit,
         )

@@ -279,7 +279,7 @@ class Launcher:
         view.states(monitor.ordered)
         view.message(
             f"Following run [bold]{plan.run_name}[/bold] (launch {self.launch_id}) on {topo.nnodes} "
-            f"node(s); each node's log in {plan.launch_dir}/node-N/log"
+            f"node(s); each node's log in {plan.paths.node_log('N')}"
         )
         events = FollowEvents(monitor, self.lock)
         return self._play("watch.yml", self.extravars(), events, view, final=final, leave_lost=False)
@@ -291,7 +291,7 @@ class Launcher:
             f"Launching run [bold]{plan.run_name}[/bold] on {topo.nnodes} node(s) × {topo.gpus_per_node} "
             f"process(es) (world size {topo.world_size}, {what}, master "
             f"{topo.master_addr}:{topo.master_port}); output in {plan.output_dir}, each node's log "
-            f"in {plan.launch_dir}/node-N/log"
+            f"in {plan.paths.node_log('N')}"
         )
         # What the plan says too: a value the user set that another one overrules, one line each.
         from rich.markup import escape
@@ -399,7 +399,7 @@ class Launcher:
             view.message(
                 f"[yellow]stopped[/yellow]: run {plan.run_name} was stopped on {', '.join(stopped)} from "
                 f"outside this launcher (trainer stop); nothing is restarted. Who stopped it: "
-                f"{plan.launch_dir}/history.jsonl"
+                f"{plan.paths.history}"
             )
             return Outcome(INTERRUPTED, "stopped", [], "stopped by trainer stop")
         return None

@@ -181,7 +181,7 @@ def print_last_lines(
     if cut:
         note(
             f"fewer than {tail} lines: only the last {TAIL_WINDOW_BYTES // 1024} KiB of a log are read; "
-            f"the whole log is {plan.launch_dir}/node-N/log on the nodes"
+            f"the whole log is {plan.paths.node_log('N')} on the nodes"
         )
     return code
 
@@ -211,9 +211,7 @@ def follow(plan: JobPlan, nodes: dict[str, int], tail: int, printer: LinePrinter
         printer.lines(host, report.get("lines") or [])
 
     extravars = {
-        "launch_nodes": {
-            host: {"node_dir": f"{plan.launch_dir}/node-{rank}"} for host, rank in nodes.items()
-        },
+        "launch_nodes": {host: {"node_dir": str(plan.paths.node_dir(rank))} for host, rank in nodes.items()},
         "launch_training_user": plan.training_user,
         "launch_become_hosts": {},
         "launch_command_timeout_s": COMMAND_TIMEOUT_S,

@@ -37,6 +37,7 @@ from trainer.controller.training_env import (
 )
 from trainer.engine_names import ENGINES
 from trainer.redaction import REDACTED, redact_env, redact_override, secret_set_problem
+from trainer.run_paths import RunPaths
 
 DEFAULT_RUN_NAME = "default"
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -98,13 +99,18 @@ class JobPlan:
         return self.config_has_secrets or any(e.secret for e in self.extra_env.values())
 
     @property
+    def paths(self) -> RunPaths:
+        """Every path of the run on the nodes (trainer.run_paths)."""
+        return RunPaths.of(self.shared_dir, self.run_name)
+
+    @property
     def output_dir(self) -> str:
-        return str(PurePosixPath(self.shared_dir) / "runs" / self.run_name)
+        return str(self.paths.run_dir)
 
     @property
     def launch_dir(self) -> str:
         """Files the launcher writes for the run: config, DeepSpeed JSON, hostfile, node logs."""
-        return str(PurePosixPath(self.output_dir) / "launch")
+        return str(self.paths.launch_dir)
 
     @property
     def deepspeed_config_path(self) -> str:
@@ -224,7 +230,7 @@ class JobPlan:
             f"--master-addr={topo.master_addr}",
             f"--master-port={topo.master_port}",
             "--max-restarts=0",
-            f"--log-dir={PurePosixPath(self.launch_dir) / f'node-{node.node_rank}' / 'torchrun'}",
+            f"--log-dir={self.paths.torchrun_log_dir(node.node_rank)}",
             "--no-python",
             str(venv / "bin" / "trainer"),
             "train",
@@ -343,8 +349,7 @@ def make_plan(
         engine=engine,
     )
     final = layers.overrides()
-    run_dir = str(PurePosixPath(shared_dir) / "runs" / run_name)
-    final.append(f"output_dir={run_dir}")
+    final.append(f"output_dir={RunPaths.of(shared_dir, run_name).run_dir}")
 
     # The trainer's own loader: the same checks `trainer train` makes, before anything starts.
     from trainer.configerror import ConfigError
@@ -608,7 +613,7 @@ def print_plan(plan: JobPlan, console: Any = None) -> None:
         console.print(f"  {key}={_shown_value(value)}", soft_wrap=True, markup=False)
     console.print(
         f"[bold]Per-node environment and command[/bold] (trainer launch writes them to "
-        f"{plan.launch_dir}/node-N/run.sh; secrets go to node-N/secret-env, readable by the training "
+        f"{plan.paths.node_dir('N')}/run.sh; secrets go to node-N/secret-env, readable by the training "
         "user only):"
     )
     for node in topo.nodes:

@@ -26,7 +26,7 @@ PROGRESS_VARIABLE = "CLUSTERTRAIN_PROGRESS_DIR"
 
 
 def node_dir(plan: JobPlan, node: Node) -> str:
-    return str(PurePosixPath(plan.launch_dir) / f"node-{node.node_rank}")
+    return str(plan.paths.node_dir(node.node_rank))
 
 
 def run_script(plan: JobPlan, node: Node, host: str) -> str:

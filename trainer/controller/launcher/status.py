@@ -13,7 +13,7 @@ import argparse
 import json
 import socket
 import sys
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from trainer import exitcodes
@@ -38,9 +38,7 @@ EXAMPLES = (
 def read_nodes(plan: JobPlan, nodes: dict[str, int], tail: int) -> PlaybookResult:
     """status.yml on `nodes` (host -> node rank): each node's report, `tail` log lines."""
     extravars = {
-        "launch_nodes": {
-            host: {"node_dir": f"{plan.launch_dir}/node-{rank}"} for host, rank in nodes.items()
-        },
+        "launch_nodes": {host: {"node_dir": str(plan.paths.node_dir(rank))} for host, rank in nodes.items()},
         "launch_training_user": plan.training_user,
         "launch_command_timeout_s": COMMAND_TIMEOUT_S,
         "launch_tail": tail,
@@ -193,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         for line in (report or {}).get("lines") or []:
             say(f"    {line}")
     say(
-        f"each node's full log: {PurePosixPath(plan.launch_dir)}/node-N/log; launches, restarts and stops: "
-        f"{plan.launch_dir}/history.jsonl"
+        f"each node's full log: {plan.paths.node_log('N')}; launches, restarts and stops: "
+        f"{plan.paths.history}"
     )
     return exitcodes.OK if all(reports.get(host) for host in nodes) else exitcodes.FAILURE

@@ -220,7 +220,7 @@ class Phases:
 def stall_fix(stall: PhaseStall, plan: JobPlan) -> str:
     topo = plan.topology
     hosts = ", ".join(stall.hosts) or "every node"
-    logs = f"each node's log: {plan.launch_dir}/node-N/log"
+    logs = f"each node's log: {plan.paths.node_log('N')}"
     user = plan.training_user or "the training user"
     if stall.phase == "start":
         return (

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.configerror import ConfigError, require
+from trainer.run_paths import LATEST, RunPaths
 
-LATEST = "latest"
 #: Written last into a checkpoint, so its presence means "complete". Not `trainer_state.json`: that is
 #: the Hugging Face Trainer's file, with another schema, and tools that know it would misread ours.
 STATE_FILE = "clustertrain_state.json"
@@ -56,7 +56,7 @@ class CheckpointConfig:
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
+    return Path(RunPaths(Path(output_dir)).checkpoints)
 
 
 def step_of(path: Path) -> int:

@@ -67,6 +67,28 @@ WAIT_STEP_S = 0.05
 #: How often run.sh's join watcher (watch_join) scans this launch's connections on a worker.
 JOIN_WATCH_S = 0.25
 
+# The run's layout, as trainer/run_paths.py (RunPaths) defines it: this file imports nothing of the
+# package (it is sent to the nodes as text), so it keeps these few names, and
+# tests/unit/controller/test_run_paths.py ties them to RunPaths.
+#: The head's node dir (node 0 hosts the job's store; it has no world check).
+HEAD_NODE_DIR = "node-0"
+HISTORY_FILE = "history.jsonl"
+LOCK_FILE = "lock"
+
+
+def runs_dir_of(node_dir: Path) -> Path:
+    """`<shared>/runs` from `<shared>/runs/<run>/launch/node-N`."""
+    return node_dir.parent.parent.parent
+
+
+def lock_file_of(node_dir: Path) -> Path:
+    return node_dir.parent / LOCK_FILE
+
+
+def latest_checkpoint_file(output_dir: Path) -> Path:
+    """The file naming the run's newest complete checkpoint."""
+    return output_dir / "checkpoints" / "latest"
+
 
 def _launch_id(node_dir: Path) -> str | None:
     try:
@@ -293,7 +315,7 @@ def status(
         "errors": rank_errors(node_dir) if state in ("exited", "vanished") else [],
         "rank_exits": rank_exits(node_dir) if state in ("exited", "vanished") else [],
         # The run's lock (on the head): for `trainer status`, not for every poll of a watch.
-        "lock": _read_json(node_dir.parent / "lock") if offset is None else None,
+        "lock": _read_json(lock_file_of(node_dir)) if offset is None else None,
         # A run name with no launch here: the runs that have one, for the error to name.
         "runs": launched_runs(node_dir) if offset is None and state == "none" else None,
     }
@@ -301,7 +323,7 @@ def status(
 
 def launched_runs(node_dir: Path, limit: int = 50) -> list[str]:
     """The runs beside this one (`<shared>/runs/<run>/launch/node-N`) that have a launch."""
-    runs_dir = node_dir.parent.parent.parent
+    runs_dir = runs_dir_of(node_dir)
     try:
         names = sorted(path.parent.name for path in runs_dir.glob("*/launch") if path.is_dir())
     except OSError:
@@ -316,7 +338,7 @@ def joined(node_dir: Path, info: dict | None) -> bool | None:
     trainer knows its world; the head hosts it). Once seen, kept in `joined` (the next polls of a
     long run skip the scan of /proc)."""
     head = (info or {}).get("world_check", {}).get("head_address")
-    if not head or node_dir.name == "node-0":
+    if not head or node_dir.name == HEAD_NODE_DIR:
         return None
     if seen_joined(node_dir):
         return True
@@ -551,7 +573,7 @@ def write_file(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, tm
 
 def append_record(launch_dir: Path, record: dict) -> None:
     """One line in the run's launch/history.jsonl (launches, restarts, stops), appended."""
-    with open(launch_dir / "history.jsonl", "a") as handle:
+    with open(launch_dir / HISTORY_FILE, "a") as handle:
         handle.write(json.dumps({"time": time.time(), **record}) + "\n")
 
 
@@ -856,7 +878,7 @@ def lock(request: dict) -> dict:
     aside and replaced, recorded in history.jsonl. release: removed if the caller holds it.
     inspect: the holder, if any."""
     launch_dir = Path(request["launch_dir"])
-    path = launch_dir / "lock"
+    path = launch_dir / LOCK_FILE
     token = str(request.get("token") or "")
     action = request.get("action")
     if action == "inspect":
@@ -946,7 +968,7 @@ def serve(request: dict) -> int:
             result["stacks"] = found
             if request.get("output_dir"):
                 with contextlib.suppress(OSError):
-                    latest = Path(request["output_dir"]) / "checkpoints" / "latest"
+                    latest = latest_checkpoint_file(Path(request["output_dir"]))
                     result["latest_checkpoint"] = latest.read_text().strip()
             if request.get("record") and Path(request["launch_dir"]).is_dir():
                 record = dict(request["record"])
