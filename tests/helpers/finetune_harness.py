@@ -29,7 +29,15 @@ def build(*args: str) -> None:
 
 @pytest.fixture(scope="session")
 def hf_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("hf-cache")
+    """One directory per pytest session. A module that imports these fixtures gets its own copy of
+    them (pytest keys a fixture by where it is defined), so each session-scoped fixture here runs once
+    per module: a fixed path, not mktemp, makes the later modules find what the first one built (the
+    builders below skip what is there; nothing writes into it after). It was a fresh directory per
+    module: the tiny model and the chat data built again in each of unit/node's 10 modules (26-28 s
+    of setup each at load 10)."""
+    path = tmp_path_factory.getbasetemp() / "hf-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
