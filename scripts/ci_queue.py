@@ -1,18 +1,21 @@
-"""CI's bed-free work as one queue that both sides of `.ci/run` take from.
+"""CI's bed-free work as one queue that every worker of `.ci/run` takes from.
 
 `.ci/run` runs the test bed's side (`make molecule`: containers, converge, the bed's tests) beside
 the bed-free tests. Which side ends last changed from run to run (the bed's side was the longer one,
 then the bed-free tests grew to 72 of CI's 90 minutes), and a fixed split goes stale as tests are
-added. So the bed-free work is a list of chunks: the bed-free side starts taking them at once, the
-bed's side joins when `make molecule` ends, and each chunk is taken by whichever side is free first
-(a directory created with mkdir is the claim: atomic, no daemon). The union of the chunks is every
-bed-free test `make test` selects (SELECTION over tests/: not the bed's, nor their bed_twin twins),
-checked at the start: a test file no chunk names lands in the last chunk, none is lost.
+added. So the bed-free work is a list of chunks: the bed-free workers (two, niced, so the bed's side
+keeps the CPU it waits on and they take what it leaves idle) start taking them at once, the bed's
+side joins when `make molecule` ends, and each chunk is taken by whichever worker is free first (a
+directory created with mkdir is the claim: atomic, no daemon). The chunks are taken longest first,
+so the ones left at the end, when a worker idles while another finishes, are short. The union of
+the chunks is every bed-free test `make test` selects (SELECTION over tests/: not the bed's, nor
+their bed_twin twins), checked at the start: a test file no chunk names lands in a local-N chunk,
+none is lost.
 
     scripts/ci_queue.py work SIDE     take and run chunks until none is left
-    scripts/ci_queue.py report        per chunk: who ran it, minutes, result; the slowest tests;
-                                      the end of every failed chunk's log; exit 1 if any failed
-                                      or was never run
+    scripts/ci_queue.py report        per chunk: who ran it, minutes (wall and CPU), result; the
+                                      slowest tests; the end of every failed chunk's log; exit 1 if
+                                      any failed or was never run
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -33,60 +37,92 @@ QUEUE = REPO / ".cache" / "ci" / "queue"
 SELECTION = "not testbed and not bed_twin"
 PYTEST = [str(REPO / ".venv" / "bin" / "pytest"), "-q", "-m", SELECTION, "--durations=15"]
 
-#: The longest first (from CI's own durations, then a machine at load 10+), so the side that joins
-#: late finds the short ones left. Each entry: a chunk name and its paths under tests/ (files or
-#: folders).
-#: The simulated-node tests are one chunk: they load the CPU with up to 8 nodes each.
-HEAVY_FIRST: list[tuple[str, list[str]]] = [
-    ("zero-resize", ["local/test_ds_resize.py"]),
-    ("finetune-engines", ["local/test_finetune_engines.py"]),
-    ("simulated-nodes", ["local/test_launch_scale.py", "local/test_scale_costs.py"]),
-    ("simulated-preflight", ["local/test_preflight_scale.py"]),
-    ("finetune-launch", ["local/test_finetune_launch_local.py", "local/test_prepared_data_local.py"]),
-    ("launch-failures", ["local/test_launch_resilience_local.py", "local/test_launch_root_cause_local.py"]),
-    ("launch", ["local/test_launch_local.py", "local/test_launcher_forms_local.py"]),
-    ("disk-and-checkpoints", ["local/test_disk_full.py", "local/test_trainer_checkpoints.py"]),
-    ("unit-node", ["unit/node"]),
-]
-#: Lint first, on the side that starts at once: a minute of CPU that the bed's side, CI's longest,
+
+def tests(*paths: str) -> list[str]:
+    """The pytest command of a chunk of test files or folders (paths under tests/)."""
+    return [*PYTEST, *(f"tests/{path}" for path in paths)]
+
+
+#: Lint first, on the workers that start at once: a minute of CPU that the bed's side, CI's longest,
 #: no longer waits for before its containers start (a failure still fails CI, in the report).
 BEFORE = [("lint", ["make", "lint"])]
-#: What is not a pytest chunk: the docs site built strict, then the README's set-up in a bare
-#: container (podman, several minutes): last, when the bed's containers are gone.
-AFTER = [
-    ("docs", ["make", "docs"]),
-    ("fresh-install", ["scripts/testbed/fresh-install.sh"]),
+#: Then the named chunks, longest first (each one's minutes in the last CI-like run on this 2-core
+#: machine, load 8-12, are on its line; a quiet machine takes about half): the workers that come
+#: free late, the bed's side among them, find only short ones left, so none idles long while another
+#: finishes. A test file named nowhere goes into a local-N chunk (tests/local, five files each) or
+#: unit-and-the-rest, after these. The simulated-node tests load the CPU with up to 8 nodes each.
+#: The README's set-up in a bare container (podman, on podman's default network, its own --rm
+#: container: nothing of the bed's) is a chunk like the others.
+HEAVY_FIRST: list[tuple[str, list[str]]] = [
+    ("zero-resize", tests("local/test_ds_resize.py")),  # 19.0 min
+    ("unit-node", tests("unit/node")),  # 17.0
+    ("launch-resilience", tests("local/test_launch_resilience_local.py")),  # 15 of launch-failures' 18.4
+    ("disk-full", tests("local/test_disk_full.py")),  # 11 of disk-and-checkpoints' 14.0
+    ("launch", tests("local/test_launch_local.py", "local/test_launcher_forms_local.py")),  # 10.0
+    ("trainer-engines", tests("local/test_trainer_engines.py")),  # 9 of local-7's 15.1
+    ("unit-controller", tests("unit/controller")),  # ~9 of unit-and-the-rest's 15.0
+    ("finetune-engines", tests("local/test_finetune_engines.py")),  # 8.5
+    ("fresh-install", ["scripts/testbed/fresh-install.sh"]),  # 8.5
+    ("health-and-forks", tests("local/test_health_training.py", "local/test_forks_memory.py")),  # ~5
+    ("simulated-nodes", tests("local/test_launch_scale.py", "local/test_scale_costs.py")),  # 3.9
+    ("finetune-launch", tests("local/test_finetune_launch_local.py", "local/test_prepared_data_local.py")),
+    ("simulated-preflight", tests("local/test_preflight_scale.py")),  # 2.5; finetune-launch above: 3.6
 ]
+#: What is not a pytest chunk, last: the docs site built strict (seconds).
+AFTER = [("docs", ["make", "docs"])]
 #: The rest of tests/local goes in chunks of this many files (pytest's start, about 7 CPU-s with
 #: torch and Ansible imported, is paid once per chunk).
 LOCAL_PER_CHUNK = 5
 
 
+def chunk_paths(command: list[str]) -> list[str]:
+    """The test files and folders a chunk's command names (none for a command that is not pytest)."""
+    return [arg for arg in command if arg.startswith("tests/")]
+
+
+def test_files(path: str) -> list[str]:
+    """The test files at a path under the repo: the file itself, or a folder's test_*.py."""
+    full = REPO / path
+    found = sorted(full.rglob("test_*.py")) if full.is_dir() else [full]
+    return [str(f.relative_to(REPO)) for f in found]
+
+
 def chunks() -> list[tuple[str, list[str]]]:
     """(name, command) for every chunk, in the order they are taken."""
-    named = {f"tests/{path}" for _, paths in HEAVY_FIRST for path in paths}
+    named = [path for _, command in HEAVY_FIRST for path in chunk_paths(command)]
     missing = [path for path in named if not (REPO / path).exists()]
     if missing:
         sys.exit(f"ci_queue: HEAVY_FIRST names what is not there: {', '.join(sorted(missing))}; fix the list")
 
-    def taken(path: Path) -> bool:
-        relative = path.relative_to(REPO)
-        return any(str(relative) == p or str(relative).startswith(p + "/") for p in named)
+    # A file is run by the first chunk that names it (itself or its folder): unit/node's heaviest
+    # files have a chunk of their own, and the folder's chunk, later, gets the rest of it.
+    taken: set[str] = set()
+    heavy: list[tuple[str, list[str]]] = []
+    for name, command in HEAVY_FIRST:
+        paths = chunk_paths(command)
+        files = [f for path in paths for f in test_files(path)]
+        left = [f for f in files if f not in taken]
+        if paths and len(left) < len(files):
+            command = [*PYTEST, *left]
+        taken.update(files)
+        heavy.append((name, command))
 
-    local = [p for p in sorted((REPO / "tests" / "local").glob("test_*.py")) if not taken(p)]
+    local = [f for f in test_files("tests/local") if f not in taken]
     per = LOCAL_PER_CHUNK
     rest_local = [
-        (f"local-{i // per + 1}", [str(p.relative_to(REPO)) for p in local[i : i + per]])
-        for i in range(0, len(local), per)
+        (f"local-{i // per + 1}", [*PYTEST, *local[i : i + per]]) for i in range(0, len(local), per)
     ]
     everything_else = [
-        str(p.relative_to(REPO))
-        for p in sorted((REPO / "tests").rglob("test_*.py"))
-        if not taken(p) and p not in local and "testbed" not in p.relative_to(REPO).parts
+        f for f in test_files("tests") if f not in taken and f not in local and "/testbed/" not in f
     ]
-    heavy = [(name, [f"tests/{path}" for path in paths]) for name, paths in HEAVY_FIRST]
-    pytest_chunks = [*heavy, *rest_local, ("unit-and-the-rest", everything_else)]
-    return [*BEFORE, *((name, [*PYTEST, *paths]) for name, paths in pytest_chunks if paths), *AFTER]
+    rest = [*rest_local, ("unit-and-the-rest", [*PYTEST, *everything_else])]
+    return [*BEFORE, *heavy, *((name, command) for name, command in rest if chunk_paths(command)), *AFTER]
+
+
+def children_cpu_s() -> float:
+    """User and system CPU seconds of every child process this one has waited for, so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def claim(index: int) -> bool:
@@ -105,11 +141,22 @@ def work(side: str) -> int:
             continue
         log = QUEUE / f"{index:02d}-{name}.log"
         print(f"ci_queue [{side}]: {name} ...", flush=True)
-        started = time.monotonic()
+        started, began = time.monotonic(), time.time()
+        cpu_before = children_cpu_s()
         with open(log, "w") as out:
             rc = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
         seconds = time.monotonic() - started
-        record = {"name": name, "side": side, "rc": rc, "seconds": round(seconds, 1), "log": str(log)}
+        record = {
+            "name": name,
+            "side": side,
+            "rc": rc,
+            "seconds": round(seconds, 1),
+            # The CPU its own processes used (those it waited for; not the bed's containers nor a
+            # podman container's): near the wall time, the chunk is CPU-bound; far below, it waits.
+            "cpu_seconds": round(children_cpu_s() - cpu_before, 1),
+            "began": round(began),
+            "log": str(log),
+        }
         (QUEUE / f"{index:02d}.done.json").write_text(json.dumps(record))
         print(f"ci_queue [{side}]: {name} rc={rc} in {seconds / 60:.1f} min", flush=True)
         failed += rc != 0
@@ -131,7 +178,11 @@ def report() -> int:
             continue
         record = json.loads(done.read_text())
         result = "ok" if record["rc"] == 0 else f"FAILED rc={record['rc']}"
-        table.append(f"  {name:<22} {record['side']:<5} {record['seconds'] / 60:5.1f} min  {result}")
+        cpu = record.get("cpu_seconds")
+        cpu_text = f"cpu {cpu / 60:5.1f}" if cpu is not None else " " * 9
+        table.append(
+            f"  {name:<22} {record['side']:<5} {record['seconds'] / 60:5.1f} min  {cpu_text}  {result}"
+        )
         lines = Path(record["log"]).read_text(errors="replace").splitlines()
         for line in lines:
             if match := re.match(r"(\d+\.\d+)s (call|setup|teardown)\s+(\S+)", line):
@@ -147,7 +198,7 @@ def report() -> int:
     print("== the slowest bed-free tests")
     for seconds, what in sorted(slowest, reverse=True)[:15]:
         print(f"  {seconds:7.1f}s {what}")
-    print("== the bed-free chunks: who ran each, minutes, result")
+    print("== the bed-free chunks: who ran each, minutes (wall, then CPU), result")
     print("\n".join(table))
     return 1 if not_run or failed else 0
 
