@@ -40,9 +40,9 @@ from trainer.controller.launcher.launch_cli import (
     install_signal_handlers,
     watch_options,
 )
-from trainer.controller.launcher.launch_record import RestartState
+from trainer.controller.launcher.launch_record import LaunchRecord, RestartState
 from trainer.controller.launcher.live import LiveView, printable
-from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, make_plan
+from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.runlock import LockError, describe_holder, holder_state
 from trainer.controller.launcher.status import MALFORMED, launcher_alive, read_launch_record
@@ -59,7 +59,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_access_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
+def launch_to_follow(args: argparse.Namespace) -> tuple[JobPlan, LaunchRecord] | int:
+    """The running launch's plan (its own nodes and kind of job, from the head's launch.json) and its
+    record; or the exit code, said why, when there is none to follow."""
     try:
         configure_access(args)
         cluster = load_cluster(args.inventory)
@@ -89,11 +91,18 @@ def run(args: argparse.Namespace) -> int:
     if problem := follow_problem(len(nodes)):
         print(f"trainer attach: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    return plan, record
+
+
+def run(args: argparse.Namespace) -> int:
+    found = launch_to_follow(args)
+    if isinstance(found, int):
+        return found
+    plan, record = found
     launcher = Launcher(
         plan, watch_options(args, plan.runs_bundled_trainer, saved=record.watch), command="trainer attach"
     )
-    launcher.launch_id = record.launch_id or launcher.launch_id
-    launcher.attempt_number = record.attempt or 1
+    launcher.adopt(record)
     view = LiveView()
     if launcher_alive(record):
         view.message(

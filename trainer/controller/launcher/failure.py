@@ -202,6 +202,30 @@ def host_events(hs: HostState, ranks: range | None, now: float) -> list[Event]:
         events.append(
             Event(lost_at, hs.host, hs.node_rank, "lost", exitcodes.NODE_LOST, hs.miss_error or "no answer")
         )
+    events += _rank_events(hs, ranks, now)
+    if hs.gpu_fault and not any(e.code == exitcodes.GPU_FAULT for e in events):
+        info = hs.gpu_fault
+        events.append(
+            Event(
+                hs.exit_time or now,
+                hs.host,
+                hs.node_rank,
+                "gpu_fault",
+                exitcodes.GPU_FAULT,
+                f"GPU {info['gpu']} (uuid {info['uuid']}) tripped the health check, "
+                f"{info['metric']}={info['value']}",
+                _int_or_none(info.get("rank")),
+            )
+        )
+    if not any(e.kind in ("exit", "gpu_fault") for e in events) and hs.state == "failed":
+        events.append(_node_exit_event(hs, now))
+    return events
+
+
+def _rank_events(hs: HostState, ranks: range | None, now: float) -> list[Event]:
+    """The exits of `hs`'s ranks: each exit record with the error file of its rank, then each error
+    file with no exit record (your command)."""
+    events: list[Event] = []
     errors = {}
     for error in hs.errors:
         local = int(error.get("local_rank", 0))
@@ -239,45 +263,31 @@ def host_events(hs: HostState, ranks: range | None, now: float) -> list[Event]:
                 detail=_error_detail(error),
             )
         )
-    if hs.gpu_fault and not any(e.code == exitcodes.GPU_FAULT for e in events):
-        info = hs.gpu_fault
-        events.append(
-            Event(
-                hs.exit_time or now,
-                hs.host,
-                hs.node_rank,
-                "gpu_fault",
-                exitcodes.GPU_FAULT,
-                f"GPU {info['gpu']} (uuid {info['uuid']}) tripped the health check, "
-                f"{info['metric']}={info['value']}",
-                _int_or_none(info.get("rank")),
-            )
-        )
-    if not any(e.kind in ("exit", "gpu_fault") for e in events) and hs.state == "failed":
-        # No rank said why (a user's command, a rank killed by a signal): the node's own exit, or the
-        # signal torchrun's summary names (its code as a shell gives it: 128 + the signal's number).
-        if hs.killed_by is not None:
-            kind, code, message = "killed", 128 + hs.killed_by, f"killed by {_signal_name(hs.killed_by)}"
-        elif hs.exit_code is None:
-            kind, code, message = "killed", exitcodes.FAILURE, hs.detail or "killed"
-        else:
-            # The rank's own error line where it printed one (`can't open file ...`, an exception's
-            # last line): what the operator needs first, not the launcher's exit code.
-            message = hs.output.own_error or hs.detail or f"exit code {hs.exit_code}"
-            kind, code = "exit", hs.exit_code
-        events.append(
-            Event(
-                hs.exit_time or now,
-                hs.host,
-                hs.node_rank,
-                kind,
-                code,
-                message,
-                hs.failed_rank,
-                consequence=hs.only_consequence,
-            )
-        )
     return events
+
+
+def _node_exit_event(hs: HostState, now: float) -> Event:
+    """No rank said why (a user's command, a rank killed by a signal): the node's own exit, or the
+    signal torchrun's summary names (its code as a shell gives it: 128 + the signal's number)."""
+    if hs.killed_by is not None:
+        kind, code, message = "killed", 128 + hs.killed_by, f"killed by {_signal_name(hs.killed_by)}"
+    elif hs.exit_code is None:
+        kind, code, message = "killed", exitcodes.FAILURE, hs.detail or "killed"
+    else:
+        # The rank's own error line where it printed one (`can't open file ...`, an exception's
+        # last line): what the operator needs first, not the launcher's exit code.
+        message = hs.output.own_error or hs.detail or f"exit code {hs.exit_code}"
+        kind, code = "exit", hs.exit_code
+    return Event(
+        hs.exit_time or now,
+        hs.host,
+        hs.node_rank,
+        kind,
+        code,
+        message,
+        hs.failed_rank,
+        consequence=hs.only_consequence,
+    )
 
 
 def _signal_name(number: int) -> str:

@@ -71,6 +71,35 @@ INTERRUPTED = exitcodes.INTERRUPTED
 
 
 class Launcher:
+    """One attempt at a time of a launch (attempt, or follow for `trainer attach`), its stops and the
+    run's lock. Its whole state is declared here; the restart policy (restarts.py) drives it."""
+
+    plan: JobPlan
+    """The job the next attempt runs (use_plan: the restart policy left nodes out of it)."""
+    options: WatchOptions
+    """How the attempt is followed (--poll-interval, --unreachable-grace, --stall-timeout, ...)."""
+    lock: RunLock
+    """The run's lock on the head (runlock.py): taken before the first probe, kept across restarts."""
+    env: dict[str, str]
+    """ansible-playbook's environment for every playbook of the launch (wire.launch_env)."""
+    prestarted: PrestartedRun | None
+    """start.yml, started while the plan was made (launch_cli.run), for the first attempt to use."""
+    launch_id: str
+    """Tags every process this launch starts (node_ctl.py), so a stop finds them all; new_launch makes
+    one, adopt takes the launch.json's of a launch already running."""
+    attempt_number: int
+    """1 for the first attempt, one more for each restart (in launch.json and the history records)."""
+    files: dict[str, str]
+    """The run's files (launchfiles.py: config, DeepSpeed JSON, hostfile, ...) that start.yml writes."""
+    become: dict[str, bool]
+    """Host -> whether Ansible becomes the training user there, as each node's probe found it."""
+    policy: RestartState | None
+    """The restart policy's state (restarts.RestartPolicy.state): in launch.json, for `trainer attach`."""
+    reuse_node_files: bool
+    """Restart with the run.sh, secret variables and run files the nodes already have (`trainer
+    attach`, which has not the launch's config, --set and --env): nothing is written but the new
+    launch id, the launch record and the node helper."""
+
     def __init__(
         self,
         plan: JobPlan,
@@ -81,20 +110,22 @@ class Launcher:
     ) -> None:
         self.plan = plan
         self.options = options or WatchOptions()
-        #: The run's lock on the head (runlock.py): taken before the first probe, kept across restarts.
         self.lock = RunLock(plan.run_name, plan.launch_dir, command)
-        #: The restart policy's state (restarts.RestartPolicy.state): in launch.json, for `trainer attach`.
-        self.policy: RestartState | None = None
-        #: Restart with the run.sh, secret variables and run files the nodes already have (`trainer
-        #: attach`, which has not the launch's config, --set and --env): nothing is written but the
-        #: new launch id, the launch record and this helper.
-        self.reuse_node_files = False
         self.env = launch_env()
-        #: start.yml, started while the plan was made (`run`), for the first attempt to use.
         self.prestarted = prestarted
-        self.become: dict[str, bool] = {}
         self.attempt_number = 0
+        self.become = {}
+        self.policy = None
+        self.reuse_node_files = False
         self.new_launch()
+
+    def adopt(self, record: LaunchRecord | None) -> None:
+        """Go on with the launch `record` (its launch.json) describes, already running: its launch id
+        and attempt number. None (no launch.json to read): this launcher's own are kept."""
+        if record is None:
+            return
+        self.launch_id = record.launch_id or self.launch_id
+        self.attempt_number = record.attempt or 1
 
     def use_plan(self, plan: JobPlan) -> None:
         """The next attempt runs `plan` (the restart policy left nodes out of it)."""
@@ -104,7 +135,7 @@ class Launcher:
         self.files = launch_files(plan)
 
     def new_launch(self) -> None:
-        #: Tags every process this launch starts (see node_ctl.py), so a stop finds them all.
+        """A launch of its own: a new launch id, the plan's files."""
         self.launch_id = f"{self.plan.run_name}-{uuid.uuid4().hex[:12]}"
         self.files = launch_files(self.plan)
 

@@ -302,30 +302,7 @@ def make_plan(
     `command` is the user's own command for every node (empty: the bundled trainer); `env_options`
     the `--env NAME[=VALUE]` list (a bare NAME takes its value from `environ`, default os.environ).
     """
-    if not _RUN_NAME.fullmatch(run_name):
-        raise PlanError(
-            f"--run-name {run_name!r} is not a valid run name; use letters, digits, '.', '_' or '-' "
-            "(at most 64, starting with a letter or digit)"
-        )
-    for item in overrides:
-        if "=" not in item:
-            raise PlanError(f"--set {item!r}: expected section.key=value, e.g. train.max_steps=100")
-        if problem := secret_set_problem(item):
-            raise PlanError(problem)
-        if item.split("=", 1)[0].strip() == "output_dir":
-            raise PlanError(
-                "--set output_dir is not allowed with trainer launch: the run goes to "
-                "<cluster_shared_dir>/runs/<run name> so every node sees it; use --run-name instead"
-            )
-    if engine is not None and engine not in ENGINES:
-        raise PlanError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
-    if command and engine:
-        raise PlanError(
-            "--engine picks the bundled trainer's engine; your own command starts its own launcher "
-            "(torchrun, deepspeed or accelerate launch): leave --engine out"
-        )
-    if command and not command[0]:
-        raise PlanError("the command after -- is empty; give the program to run, e.g. -- bash train.sh")
+    _check_job_arguments(run_name, overrides, engine, command)
     try:
         cli_env = parse_env_options(env_options, environ)
     except EnvError as err:
@@ -376,6 +353,36 @@ def make_plan(
         workdirs=workdirs,
         extra_env=extra_env,
     )
+
+
+def _check_job_arguments(
+    run_name: str, overrides: Sequence[str], engine: str | None, command: Sequence[str]
+) -> None:
+    """make_plan's arguments on their own, before the inventory is read; raises a PlanError."""
+    if not _RUN_NAME.fullmatch(run_name):
+        raise PlanError(
+            f"--run-name {run_name!r} is not a valid run name; use letters, digits, '.', '_' or '-' "
+            "(at most 64, starting with a letter or digit)"
+        )
+    for item in overrides:
+        if "=" not in item:
+            raise PlanError(f"--set {item!r}: expected section.key=value, e.g. train.max_steps=100")
+        if problem := secret_set_problem(item):
+            raise PlanError(problem)
+        if item.split("=", 1)[0].strip() == "output_dir":
+            raise PlanError(
+                "--set output_dir is not allowed with trainer launch: the run goes to "
+                "<cluster_shared_dir>/runs/<run name> so every node sees it; use --run-name instead"
+            )
+    if engine is not None and engine not in ENGINES:
+        raise PlanError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if command and engine:
+        raise PlanError(
+            "--engine picks the bundled trainer's engine; your own command starts its own launcher "
+            "(torchrun, deepspeed or accelerate launch): leave --engine out"
+        )
+    if command and not command[0]:
+        raise PlanError("the command after -- is empty; give the program to run, e.g. -- bash train.sh")
 
 
 def _inventory_settings(cluster: Cluster) -> dict[str, tuple[str, Any]]:
@@ -527,9 +534,18 @@ def config_from_positional(args: argparse.Namespace) -> str | None:
 
 def print_plan(plan: JobPlan, console: Any = None) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
+    _print_summary(plan, console)
+    for line in plan.overruled:  # a value the user set that another one overrules: never silent
+        console.print(f"overruled: {line}", soft_wrap=True, markup=False, highlight=False)
+    _print_nodes(plan.topology, console)
+    _print_environments(plan, console)
+
+
+def _print_summary(plan: JobPlan, console: Any) -> None:
+    from rich.table import Table
+
     topo = plan.topology
     summary = Table(title=f"Training job from {topo.inventory}", show_header=False, title_justify="left")
     summary.add_column("setting", style="bold")
@@ -545,43 +561,13 @@ def print_plan(plan: JobPlan, console: Any = None) -> None:
         if topo.nccl_ib_disable == IB_AUTO
         else topo.nccl_ib_disable
     )
-    if plan.runs_bundled_trainer:
-        job = [
-            *config_sources.rows(plan.sources),
-            (
-                "effective batch size",
-                f"{plan.effective_batch_size} = micro batch {plan.micro_batch_size} × world "
-                f"{topo.world_size} × accumulation {plan.gradient_accumulation_steps}",
-            ),
-        ]
-    else:
-        job = [("command", f"your own: {shlex.join(plan.user_command)}")]
-        if plan.user_launcher:
-            added = plan.command_form(topo.head).added
-            job.append(
-                (
-                    "launcher",
-                    f"{plan.user_launcher}: reads "
-                    + ", ".join(command_forms.READS[plan.user_launcher])
-                    + (f"; added on each node: {' '.join(added)}" if added else ""),
-                )
-            )
-        elif topo.nnodes > 1:
-            job.append(
-                (
-                    "launcher",
-                    "not one the launcher recognises (torchrun, python -m torch.distributed.run, "
-                    "accelerate launch, deepspeed): it runs as given; after the start the launcher "
-                    "warns when a node never connects to the head",
-                )
-            )
     for key, value in (
         ("NNODES", topo.nnodes),
         ("MASTER_ADDR", topo.master_addr),
         ("MASTER_PORT", topo.master_port),
         ("GPUS_PER_NODE", topo.gpus_per_node),
         ("world size", topo.world_size),
-        *job,
+        *_job_rows(plan),
         ("NCCL_SOCKET_IFNAME", ifname),
         ("NCCL_IB_DISABLE", ib_disable),
         ("NCCL_DEBUG", topo.nccl_debug),
@@ -591,8 +577,46 @@ def print_plan(plan: JobPlan, console: Any = None) -> None:
     ):
         summary.add_row(key, str(value))
     console.print(summary)
-    for line in plan.overruled:  # a value the user set that another one overrules: never silent
-        console.print(f"overruled: {line}", soft_wrap=True, markup=False, highlight=False)
+
+
+def _job_rows(plan: JobPlan) -> list[tuple[str, Any]]:
+    """The summary's rows of what runs: the bundled trainer's config, or the user's command."""
+    topo = plan.topology
+    if plan.runs_bundled_trainer:
+        return [
+            *config_sources.rows(plan.sources),
+            (
+                "effective batch size",
+                f"{plan.effective_batch_size} = micro batch {plan.micro_batch_size} × world "
+                f"{topo.world_size} × accumulation {plan.gradient_accumulation_steps}",
+            ),
+        ]
+    job: list[tuple[str, Any]] = [("command", f"your own: {shlex.join(plan.user_command)}")]
+    if plan.user_launcher:
+        added = plan.command_form(topo.head).added
+        job.append(
+            (
+                "launcher",
+                f"{plan.user_launcher}: reads "
+                + ", ".join(command_forms.READS[plan.user_launcher])
+                + (f"; added on each node: {' '.join(added)}" if added else ""),
+            )
+        )
+    elif topo.nnodes > 1:
+        job.append(
+            (
+                "launcher",
+                "not one the launcher recognises (torchrun, python -m torch.distributed.run, "
+                "accelerate launch, deepspeed): it runs as given; after the start the launcher "
+                "warns when a node never connects to the head",
+            )
+        )
+    return job
+
+
+def _print_nodes(topo: Topology, console: Any) -> None:
+    from rich.table import Table
+
     nodes = Table(title="Nodes", title_justify="left")
     for column in ("NODE_RANK", "host", "address", "global ranks"):
         nodes.add_column(column)
@@ -605,7 +629,11 @@ def print_plan(plan: JobPlan, console: Any = None) -> None:
             f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start),
         )
     console.print(nodes)
-    # Each node's environment: what every node shares once, then what is this node's own.
+
+
+def _print_environments(plan: JobPlan, console: Any) -> None:
+    """Each node's environment: what every node shares once, then what is this node's own."""
+    topo = plan.topology
     envs = {node.host: plan.shown_env(node) for node in topo.nodes}
     common = {k: v for k, v in envs[topo.head.host].items() if all(env.get(k) == v for env in envs.values())}
     console.print("[bold]Environment on every node[/bold]:")

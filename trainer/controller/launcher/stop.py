@@ -89,7 +89,7 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
         print(f"{verb}: {printable(str(err))}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     launcher = Launcher(plan, options, command=verb)
-    launcher.launch_id = (record and record.launch_id) or launcher.launch_id
+    launcher.adopt(record)
     result = launcher.stop(record=stop_record(record, verb))
     report_stop(launcher, result, view)
     holder = (head_report or {}).get("lock")

@@ -782,13 +782,22 @@ def start(request: dict, program: str) -> dict:
     """Keep the previous launch's log, clear its state, write the run's files (the head gets them),
     the node's secret variables, run.sh, launch.json and this helper; then start run.sh detached
     (setsid: its own session and process group) and wait for its pid file."""
-    import shlex
-    import shutil
-    import subprocess
-
     if stale := stale_extension_locks():
         raise Failure("; ".join(stale))
     node_dir = Path(request["node_dir"])
+    kept, written = _write_launch(request, program, node_dir)
+    _start_run_sh(request, node_dir)
+    result = status(node_dir)
+    result.update(written=written, kept_previous_as=kept)
+    return result
+
+
+def _write_launch(request: dict, program: str, node_dir: Path) -> tuple[int | None, list[str]]:
+    """start's writes: the previous launch kept and its state cleared, then this launch's files.
+    (What the previous log was kept as, the names of the run's files written.)"""
+    import shlex
+    import shutil
+
     launch_dir = Path(request["launch_dir"])
     # A restart by `trainer attach`: the node's run.sh, secret-env and the run's files stay as the
     # launcher wrote them.
@@ -827,6 +836,12 @@ def start(request: dict, program: str) -> dict:
     write_file(node_dir / "launch.json", json.dumps(request.get("info") or {}, indent=1) + "\n")
     if request.get("record"):
         append_record(launch_dir, request["record"])
+    return kept, written
+
+
+def _start_run_sh(request: dict, node_dir: Path) -> None:
+    """Once the files start waits for are visible, run.sh detached; back once its pid file is there."""
+    import subprocess
 
     timeout_s = float(request.get("wait_timeout_s") or 60.0)
     deadline = time.monotonic() + timeout_s
@@ -860,9 +875,6 @@ def start(request: dict, program: str) -> dict:
         if time.monotonic() > deadline:
             raise Failure(f"run.sh in {node_dir} did not start within {timeout_s:.0f} s")
         time.sleep(0.05)
-    result = status(node_dir)
-    result.update(written=written, kept_previous_as=kept)
-    return result
 
 
 # --- the run's lock ------------------------------------------------------------------------------
