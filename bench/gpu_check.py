@@ -283,6 +283,7 @@ def variants(args: argparse.Namespace) -> int:
         ]
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        profiler = _profile_steps(variant.get("profile"))
         t0 = time.perf_counter()
         try:
             code: int | str | None = main(["train", *sets])
@@ -290,6 +291,8 @@ def variants(args: argparse.Namespace) -> int:
             code = exit_.code
         except Exception as error:  # the next variant still runs
             code = f"{type(error).__name__}: {error}"[:500]
+        finally:
+            _unprofile()
         record: dict = {
             "status": "ok" if code == 0 else f"rc={code}",
             "seconds": round(time.perf_counter() - t0, 1),
@@ -302,18 +305,58 @@ def variants(args: argparse.Namespace) -> int:
         metrics = out / "metrics.jsonl"
         if metrics.is_file() and metrics.read_text().strip():
             records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            record.update(_steady(records))
+            record.update(_steady(records, skip=variant.get("profile")))
             record["first_step_s"] = records[0].get("step_time_s")
+        if profiler is not None and profiler.summary is not None:
+            record["profile"] = profiler.summary
         results[name] = record
         if os.environ.get("RANK", "0") == "0":
             _json_write(result_path, results)
-            print(f"variant {name}: {json.dumps(record)}", flush=True)
+            shown = {key: value for key, value in record.items() if key != "profile"}
+            print(f"variant {name}: {json.dumps(shown)}", flush=True)
+            if profiler is not None and profiler.summary is not None:
+                from step_profile import format_summary
+
+                print(format_summary(name, profiler.summary), flush=True)
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     if os.environ.get("RANK", "0") == "0":
         _json_write(result_path, results)
     return 0
+
+
+_TRAIN = None
+
+
+def _profile_steps(steps: list[int] | None):
+    """A StepProfiler around the engine's train_step of the next `trainer train` in this process (steps
+    FIRST..LAST of it), or None."""
+    global _TRAIN
+    if not steps:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_profile import StepProfiler
+
+    from trainer.node.loop import Trainer
+
+    profiler = StepProfiler(int(steps[0]), int(steps[1]))
+    _TRAIN = Trainer.train
+
+    def train(self):
+        self.engine.train_step = profiler.wrap(self.engine.train_step)
+        return _TRAIN(self)
+
+    Trainer.train = train
+    return profiler
+
+
+def _unprofile() -> None:
+    global _TRAIN
+    if _TRAIN is not None:
+        from trainer.node.loop import Trainer
+
+        Trainer.train, _TRAIN = _TRAIN, None
 
 
 def variants_summary(args: argparse.Namespace) -> int:
@@ -325,10 +368,14 @@ def variants_summary(args: argparse.Namespace) -> int:
     table: dict[str, dict] = {}
     for path in sorted((work / "variants").glob("*.json")):
         table.update(json.loads(path.read_text()))
+    attention = _attention_flops_per_token(work, args.seq_len)
     for name, run in table.items():
         lora = any(s.startswith("lora.enabled=true") for s in run.get("sets", []))
         if parameters and run.get("tokens_per_s"):
             run["mfu_pct"] = round(100 * (4 if lora else 6) * parameters * run["tokens_per_s"] / peak, 2)
+            if attention:  # forward 1/3 and backward 2/3 of it; LoRA's backward without weight grads alike
+                model_flops = (4 if lora else 6) * parameters + attention * (2 / 3 if lora else 1)
+                run["mfu_attention_pct"] = round(100 * model_flops * run["tokens_per_s"] / peak, 2)
         before = table.get(name.split("__")[0].rsplit("_", 1)[0] + "_before", {})
         if run.get("tokens_per_s") and before.get("tokens_per_s"):
             run["vs_before"] = round(run["tokens_per_s"] / before["tokens_per_s"], 3)
@@ -338,10 +385,12 @@ def variants_summary(args: argparse.Namespace) -> int:
     print(
         f"\n== speed-ups: {env_info.get('gpu', 'no GPU')}, torch {env_info.get('torch')}, "
         f"matmul {env_info.get('matmul_bf16_8192_tflops')} TFLOP/s; model {parameters} parameters; "
-        f"MFU against {args.peak_tflops:g} TFLOP/s (6N full, 4N LoRA)"
+        f"MFU against {args.peak_tflops:g} TFLOP/s (6N full, 4N LoRA; +attn: with attention's "
+        f"12·L·d·T a token at T={args.seq_len}, PaLM's count)"
     )
     header = (
-        f"{'run':<28}{'status':<9}{'tok/s':>10}{'x before':>9}{'step ms':>9}{'peak GiB':>9}{'MFU %':>7}  loss"
+        f"{'run':<28}{'status':<9}{'tok/s':>10}{'x before':>9}{'step ms':>9}{'peak GiB':>9}{'MFU %':>7}"
+        f"{'+attn':>7}  loss"
     )
     print(header)
     print("-" * len(header))
@@ -355,16 +404,40 @@ def variants_summary(args: argparse.Namespace) -> int:
             f"{run.get('step_time_ms'):9.1f}" if run.get("step_time_ms") else f"{'-':>9}",
             f"{run.get('peak_allocated_gib'):9.2f}" if run.get("peak_allocated_gib") else f"{'-':>9}",
             f"{run.get('mfu_pct'):7.2f}" if run.get("mfu_pct") else f"{'-':>7}",
+            f"{run.get('mfu_attention_pct'):7.2f}" if run.get("mfu_attention_pct") else f"{'-':>7}",
         ]
         print(f"{name:<28}{run.get('status', '?'):<9}{''.join(cells)}  {loss}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_profile import format_summary
+
+    for name, run in table.items():
+        if run.get("profile"):
+            print(format_summary(name, run["profile"]))
     return 0
+
+
+def _attention_flops_per_token(work: Path, seq_len: int) -> float | None:
+    """Attention's matmul FLOPs per token, forward and backward (12·layers·hidden·T, PaLM appendix B),
+    from the built model's config.json."""
+    config = work / "model" / "config.json"
+    if not config.is_file():
+        return None
+    model = json.loads(config.read_text())
+    return 12 * model["num_hidden_layers"] * model["hidden_size"] * seq_len
 
 
 # ----------------------------------------------------------------------------------------- summary
 
 
-def _steady(records: list[dict]) -> dict:
-    steady = [r for r in records if r["step"] > WARMUP_STEPS] or records[-1:]
+def _steady(records: list[dict], skip: list[int] | None = None) -> dict:
+    """Tokens/s and step time over the logged intervals after WARMUP_STEPS, leaving out any interval
+    that holds a step of `skip` ([FIRST, LAST]: profiled steps run slower)."""
+    intervals = zip([0, *(r["step"] for r in records)], records, strict=False)
+    steady = [
+        r
+        for previous, r in intervals
+        if r["step"] > WARMUP_STEPS and not (skip and previous < skip[1] and r["step"] >= skip[0])
+    ] or records[-1:]
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steady if r["tokens_per_s"])
     tokens = sum(r["tokens"] for r in steady)
     return {
@@ -550,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     variants_summary_parser.add_argument("work")
     variants_summary_parser.add_argument("out")
     variants_summary_parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
+    variants_summary_parser.add_argument("--seq-len", type=int, default=1024, help="tokens a row")
     slim = commands.add_parser("slim-wheel")
     slim.add_argument("wheel")
     slim.add_argument("--keep", nargs="+", required=True)

@@ -20,6 +20,8 @@
 # set train.compile=false where they do not name it (it was the default then).
 # GPU_CHECK_SPEEDUPS=final: the defaults as they ended (compile auto) against before, compile under
 # Q-LoRA and ZeRO-2, and a second process's compile from the warm cache.
+# GPU_CHECK_SPEEDUPS=round3: the third round's speed-ups each off alone against the defaults, a micro
+# batch twice as large, and a kernel profile (bench/step_profile.py) of full, LoRA, Q-LoRA and ZeRO-2.
 set -u
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -185,6 +187,37 @@ if [ "$SPEEDUPS" != 0 ] && [ -f "$MODEL/config.json" ] && [ -f "$DATA" ]; then
   QLORA=()
   [ "$CPU" = 1 ] || QLORA=("$(v qlora_before all "${LORA[@]}" lora.qlora=true)" "$(v qlora_after "" "${LORA[@]}" lora.qlora=true)")
   NOCOMPILE=train.compile=false ZERO2=(distributed.engine=deepspeed distributed.zero_stage=2)
+  vp() { # vp NAME OFF SET...: a variant whose steps VSTEPS-8..VSTEPS-6 are profiled (bench/step_profile.py)
+    local name=$1 off=$2
+    shift 2
+    "$PY" -c 'import json, sys; print(json.dumps({"name": sys.argv[1], "off": sys.argv[2], "sets": sys.argv[4:], "profile": [int(sys.argv[3]) - 8, int(sys.argv[3]) - 6]}))' "$name" "$off" "$VSTEPS" "$@"
+  }
+  if [ "$SPEEDUPS" = round3 ]; then
+    # Issue 41, third round: bf16 weights with fp32 masters (bf16_master), the compiled head and loss
+    # (compiled_head), Q-LoRA's unquantized weights left in bf16 (qlora_bf16_rest), each against the
+    # defaults with it off, a micro batch of 32; then a profile of where each kind of run's step goes
+    # (its own variant, after the timed ones: the profiled steps are left out of its tokens/s).
+    [ "$CPU" = 1 ] || QLORA=("$(v qlora_before all "${LORA[@]}" lora.qlora=true $NOCOMPILE)" \
+      "$(v qlora_after "" "${LORA[@]}" lora.qlora=true)" \
+      "$(v qlora__qlora_bf16_rest_off qlora_bf16_rest "${LORA[@]}" lora.qlora=true)" \
+      "$(vp qlora_profile "" "${LORA[@]}" lora.qlora=true)")
+    variants ddp "$(plan "$(v full_before all $NOCOMPILE)" "$(v full_after "")" \
+      "$(v full__bf16_master_off bf16_master)" "$(v full__compiled_head_off compiled_head)" \
+      "$(v lora_before all "${LORA[@]}" $NOCOMPILE)" "$(v lora_after "" "${LORA[@]}")" \
+      "$(v lora_dropout0 "" "${LORA[@]}" lora.dropout=0)" "$(v full_mb32 "" train.micro_batch_size=$((MB * 2)))" \
+      "$(vp full_profile "")" "$(vp lora_profile "" "${LORA[@]}")")"
+    [ "$CPU" = 1 ] || variants qlora "$(plan "${QLORA[@]}")"
+    # DeepSpeed once per process (a second deepspeed.initialize in a process fails: "Group ... is not
+    # registered"): a group per run.
+    variants zero2 "$(plan "$(v zero2_after "" "${ZERO2[@]}")")"
+    variants zero2_before "$(plan "$(v zero2_before all "${ZERO2[@]}" $NOCOMPILE)")"
+    variants zero2_profile "$(plan "$(vp zero2_profile "" "${ZERO2[@]}")")"
+    # Not compiled by auto (never measured): accelerate compiled against its before.
+    variants accelerate "$(plan "$(v accelerate_compile "" distributed.engine=accelerate train.compile=true)" \
+      "$(v accelerate_before all distributed.engine=accelerate $NOCOMPILE)")"
+    timeout 60 "$PY" bench/gpu_check.py variants-summary "$WORK" "$OUT" --seq-len "$MAXLEN" | tee "$OUT/speedups_summary.txt"
+    SPEEDUPS=done
+  fi
   if [ "$SPEEDUPS" = final ]; then
     # The defaults as they ended (train.compile=auto compiles ddp runs on a GPU) against the trainer
     # before (every speed-up off, no compile); compile where auto does not turn it on; a second
