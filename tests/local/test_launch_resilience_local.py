@@ -201,7 +201,7 @@ def test_a_rank_stuck_before_a_collective_stops_every_node_naming_the_rank_and_i
 
 
 @pytest.mark.bed_twin(
-    "tests/testbed/test_launch_resilience_testbed.py::"
+    "tests/local/test_launch_resilience_sim.py::"
     "test_a_killed_worker_trainer_restarts_from_its_checkpoint_with_the_same_final_loss"
 )
 def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_ends_like_an_uninterrupted_run(

@@ -1,6 +1,7 @@
 """CI runs the bed-free tests as a queue of chunks both of its sides take from (scripts/ci_queue.py):
 the chunks together must be what `make test` selects bed-free, each test file once, and none of the
-bed's; a test left out as a bed test's twin (bed_twin) names a bed test that exists."""
+bed's; a test left out as a twin (bed_twin) names a test that exists and that CI runs on real hosts
+over real SSH (the bed's, or simulated nodes')."""
 
 from __future__ import annotations
 
@@ -61,7 +62,11 @@ def test_every_bed_twin_names_a_bed_test_that_exists_and_make_test_selects_as_ci
     for path, named in twins:
         file, test = named.split("::")
         bed_file = REPO / file
-        assert "testbed" in bed_file.parts and bed_file.is_file(), f"{path.name} names {named}"
+        # A test on real hosts over real SSH: the bed's, or one on simulated nodes (tests/local/*_sim.py,
+        # which CI runs: scripts/ci_queue.py).
+        on_real_ssh = "testbed" in bed_file.parts or bed_file.name.endswith("_sim.py")
+        assert on_real_ssh and bed_file.is_file(), f"{path.name} names {named}"
+        assert "bed_twin" not in bed_file.read_text(), f"{named} is itself left out of CI"
         defined = re.search(rf"^def {re.escape(test)}\(", bed_file.read_text(), re.M)
         assert defined, f"{path.name} names {named}"
     makefile = (REPO / "Makefile").read_text()

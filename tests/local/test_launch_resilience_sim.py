@@ -1,0 +1,258 @@
+"""`trainer launch` in the real world on three simulated nodes (scripts/testbed/netns_nodes.py: a
+network namespace, an address and a real sshd each, reached over SSH as root becoming the training
+user, as real hosts are): node 2's SSH blocked for less and for longer than the unreachable grace (an
+iptables DROP on port 22 in its own namespace, plus `ss -K` on its sshd so the open connection breaks
+at once), a rank stuck outside a collective, a killed worker trainer with --max-restarts, SIGHUP to
+the launcher, and `trainer attach` after `kill -9` of the launcher. One process per node.
+
+These ran on the Molecule bed (5.5 min of CI's critical path). What they show is the launcher's
+behaviour over SSH towards nodes that train for real, and the simulated nodes have all of it: a real
+sshd per node, torchrun and the bundled trainer started over SSH in each node's namespace, gloo between
+the nodes' addresses. The assertions are the bed's, word for word but for the host names (n00, n01,
+n02 for ct-head, ct-worker1, ct-worker2). What only the bed has (provisioned hosts: ufw, NFS, systemd,
+a filesystem each) none of them looked at.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.bed_launch import TEST_SETS
+from helpers.simulated_nodes import NEEDS_NETNS, netns_nodes
+
+pytestmark = NEEDS_NETNS
+
+DROP_SSH = ["INPUT", "-p", "tcp", "--dport", "22", "-j", "DROP"]
+#: The node whose SSH is blocked (the bed's ct-worker2).
+BLOCKED = 2
+
+
+@pytest.fixture
+def cluster(sim_workdir) -> Iterator:
+    """Three simulated nodes, one process each (netns_nodes' inventory), down at the end."""
+    with netns_nodes.nodes(3, sim_workdir / "sim") as nodes:
+        yield nodes
+
+
+def launch(cluster, run_name: str, *sets: str) -> list[str]:
+    args = [a for s in (*TEST_SETS, *sets) for a in ("--set", s)]
+    return [
+        sys.executable,
+        "-m",
+        "trainer",
+        "launch",
+        "-i",
+        str(cluster.inventory),
+        "--run-name",
+        run_name,
+        *args,
+    ]
+
+
+def output_of(cluster, run_name: str) -> Path:
+    return cluster.shared / "runs" / run_name
+
+
+def in_node(cluster, node: int, *command: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", "netns", "exec", cluster.namespaces[node], *command], timeout=60, **kwargs)
+
+
+def block_ssh(cluster, node: int = BLOCKED) -> bool:
+    """Drop every packet to the node's sshd; break its open connections. Whether they were broken."""
+    in_node(cluster, node, "iptables", "-I", *DROP_SSH, check=True)
+    return in_node(cluster, node, "ss", "-K", "sport", "=", ":22", capture_output=True).returncode == 0
+
+
+def unblock_ssh(cluster, node: int = BLOCKED) -> None:
+    in_node(cluster, node, "iptables", "-D", *DROP_SSH, capture_output=True)
+
+
+def trainer_pids(cluster, node: int) -> list[int]:
+    """The node's `trainer train` processes (the ranks, not torchrun): those in its network namespace."""
+    listed = subprocess.run(
+        ["ip", "netns", "pids", cluster.namespaces[node]],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    pids = []
+    for pid in listed.stdout.split():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        if len(argv) > 2 and argv[1].endswith(b"/trainer") and argv[2] == b"train":
+            pids.append(int(pid))
+    return pids
+
+
+def start(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_launch(command: list[str], timeout: float) -> tuple[int, str]:
+    proc = start(command)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the launcher then stops the nodes' trainers itself
+        out, _ = proc.communicate(timeout=120)
+        pytest.fail(f"trainer launch did not finish within {timeout:.0f} s:\n{out}")
+    return proc.returncode, out
+
+
+def wait_for_checkpoint(launcher: subprocess.Popen, output: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not (output / "checkpoints" / "latest").exists():
+        assert launcher.poll() is None, launcher.stdout.read() if launcher.stdout else ""
+        assert time.monotonic() < deadline, f"no checkpoint within {timeout:.0f} s"
+        time.sleep(1)
+
+
+def finish(launcher: subprocess.Popen, timeout: float) -> str:
+    try:
+        out, _ = launcher.communicate(timeout=timeout)
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()  # the launcher then stops the nodes' trainers itself
+            launcher.communicate(timeout=180)
+    return out
+
+
+def no_trainer_left(cluster) -> None:
+    for node, host in enumerate(cluster.hosts):
+        assert trainer_pids(cluster, node) == [], host
+
+
+def test_ssh_blocked_for_20_s_the_run_finishes(cluster):
+    run_name, output = "blip", output_of(cluster, "blip")
+    # Long enough to outlast the block: the checkpoint at step 4, then 20 s blocked (a step takes 0.5
+    # to 1.5 s here).
+    launcher = start(launch(cluster, run_name, "train.max_steps=80"))
+    broken = False
+    try:
+        wait_for_checkpoint(launcher, output)
+        broken = block_ssh(cluster)
+        time.sleep(20)
+    finally:
+        unblock_ssh(cluster)
+    out = finish(launcher, timeout=1200)
+    assert launcher.returncode == 0, out
+    assert "[n02] node 2: done" in out, out
+    if broken:  # the open connection broke at once: the state line said so meanwhile
+        assert "[n02] node 2: unreachable (" in out and "n02 answers again after" in out, out
+    assert json.loads((output / "summary.json").read_text())["final_step"] == 80
+
+
+def test_ssh_blocked_past_the_grace_stops_every_node_and_names_it(cluster):
+    run_name, output = "lost", output_of(cluster, "lost")
+    launcher = start([*launch(cluster, run_name, "train.max_steps=4000"), "--unreachable-grace", "30"])
+    try:
+        wait_for_checkpoint(launcher, output)
+        block_ssh(cluster)
+        out = finish(launcher, timeout=600)
+    finally:
+        unblock_ssh(cluster)
+    try:
+        assert launcher.returncode == 69, "NODE_LOST: the cause's own code"
+        assert "failed: n02 (node 2) was lost at step " in out and ": no answer for " in out, out
+        assert "could not confirm the stop on n02" in out, out
+    finally:
+        subprocess.run([*launch(cluster, run_name), "--stop"], timeout=600)
+    no_trainer_left(cluster)
+
+
+def test_a_stuck_rank_stops_every_node_within_the_stall_timeout_and_is_named(cluster):
+    rc, out = run_launch(
+        [
+            *launch(cluster, "stall", "train.max_steps=400"),
+            # Counted from the ranks' first report: 30 s is far beyond a tiny GPT step here, loaded.
+            "--stall-timeout",
+            "30",
+            "--env",
+            "TRAINER_TEST_STALL=1:4:3600",  # rank 1 (n01) sleeps before step 4
+        ],
+        timeout=1200,
+    )
+    assert rc == 1, out
+    assert "behind: rank 1 on n01 (node 1) in step 3" in out, out
+    assert "stack of rank 1 on n01:" in out and " in started" in out, out
+    no_trainer_left(cluster)
+
+
+def test_a_killed_worker_trainer_restarts_from_its_checkpoint_with_the_same_final_loss(cluster):
+    run_name, output = "restarted", output_of(cluster, "restarted")
+    reference = output_of(cluster, "straight")
+    # 20 steps, 16 of them after the restart from step-4.
+    rc, out = run_launch(launch(cluster, reference.name, "train.max_steps=20"), timeout=1200)
+    assert rc == 0, out
+    launcher = start([*launch(cluster, run_name, "train.max_steps=20"), "--max-restarts", "1"])
+    wait_for_checkpoint(launcher, output)
+    victims = trainer_pids(cluster, 1)
+    assert victims, "n01's trainer is running"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    out = finish(launcher, timeout=1200)
+    assert launcher.returncode == 0, out
+    assert "restart 1 of 1: killed by signal 9 (SIGKILL) (rank 1 on n01 (node 1)" in out, out
+    summary = json.loads((output / "summary.json").read_text())
+    straight = json.loads((reference / "summary.json").read_text())
+    assert summary["resumed_from"] and summary["final_step"] == straight["final_step"] == 20
+    # The same loss to 5 digits, not to the bit. Most likely cause: with three ranks, gloo's ring
+    # allreduce adds each gradient element's three terms in an order set by where the element falls
+    # in DDP's buckets, and a restarted process starts from the default buckets where the
+    # uninterrupted one had rebuilt them, so the last float32 bits differ and the difference grows
+    # with the steps trained after the restart (seen on the bed: 3.0046462218 vs 3.0046463013, and
+    # 3.0131282012 vs 3.0131258965 after a restart from step-4, 7.6e-7 relative). A wrong resume
+    # (a step's data or state off) differs in the second or third digit. The 2-rank tests (a sum of
+    # two terms has one order: the loopback restart, the bed's node loss on the two survivors) still
+    # compare exactly.
+    assert math.isclose(summary["final_loss"], straight["final_loss"], rel_tol=1e-5, abs_tol=0), (
+        summary["final_loss"],
+        straight["final_loss"],
+    )
+
+
+def test_sighup_to_the_launcher_stops_every_node(cluster):
+    launcher = start(launch(cluster, "hup", "train.max_steps=4000"))
+    try:
+        for line in launcher.stdout:
+            if line.startswith("step "):
+                launcher.send_signal(signal.SIGHUP)
+                break
+        launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()
+            launcher.communicate(timeout=180)
+    assert launcher.returncode == 130
+    no_trainer_left(cluster)
+
+
+def test_attach_after_kill_9_follows_the_run_to_its_end(cluster):
+    run_name, output = "attached", output_of(cluster, "attached")
+    # Still running when attach comes in (seconds after the kill at the step-4 checkpoint).
+    launcher = start(launch(cluster, run_name, "train.max_steps=50"))
+    try:
+        wait_for_checkpoint(launcher, output)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    attach = subprocess.run(
+        [sys.executable, "-m", "trainer", "attach", "-i", str(cluster.inventory), "--run-name", run_name],
+        capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    out = attach.stdout + attach.stderr
+    assert attach.returncode == 0, out
+    assert f"done: run {run_name} finished on all 3 node(s)" in out, out
+    assert json.loads((output / "summary.json").read_text())["final_step"] == 50
