@@ -73,8 +73,10 @@ class ModelConfig:
     max_length: int = 512
     """Tokens per training sample (and per packed row) with a Hugging Face model."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """Weights' dtype. auto: fp32 on the CPU; on a GPU with bf16, bf16, except the weights a ddp or
-    accelerate full fine-tuning updates, which stay fp32 (bf16 compute through train.mixed_precision)."""
+    """Weights' dtype. auto: fp32 on the CPU; on a GPU with bf16, bf16, except the weights an accelerate
+    full fine-tuning updates, which stay fp32 (bf16 compute through train.mixed_precision), and those of
+    a ddp run with train.mixed_precision=no. Trained bf16 weights get fp32 master copies that the
+    optimizer steps (under ddp and DeepSpeed; checkpoints hold those)."""
     trust_remote_code: bool = False
     """Run the Python code a model directory ships (custom architectures); only for a model you trust."""
 

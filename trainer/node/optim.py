@@ -18,6 +18,7 @@ from trainer.node import speedups
 if TYPE_CHECKING:
     import torch
 
+    from trainer.node.engines.master_weights import MasterWeights
     from trainer.node.schedule import TrainConfig
 
 #: nanoGPT's betas: a shorter memory of the squared gradients than torch's default 0.999.
@@ -109,13 +110,16 @@ def _torch_version() -> str:
 
 
 def build_optimizer(
-    model: torch.nn.Module, config: TrainConfig
+    model: torch.nn.Module, config: TrainConfig, *, masters: MasterWeights | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """masters: the optimizer steps these fp32 copies of the model's trained weights instead."""
     import functools
 
     import torch
 
     groups = parameter_groups(model, config.weight_decay)
+    if masters is not None:
+        groups = masters.groups(groups)
     if config.optimizer == "adamw_8bit":
         import bitsandbytes
 

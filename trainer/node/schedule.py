@@ -62,11 +62,11 @@ class TrainConfig:
     """bf16 autocast: auto = on GPUs that support bf16, off on the CPU; bf16 = always; no = never."""
     compile: bool | Literal["auto"] = "auto"
     """torch.compile the model: each decoder layer of a Hugging Face model (one compilation serves them
-    all), the whole built-in GPT. A slower start (10-16 s for a 0.4B Qwen2 on an H100 or H200; 3 s
-    when its cache, under /tmp on the node, is warm), faster steps (there 1.5-1.7x full or LoRA, 1.2x
-    Q-LoRA). auto: on for a Hugging Face model on a GPU under ddp or DeepSpeed ZeRO-1/2, without
-    gradient checkpointing (where it was measured); off on the CPU (a minute of compiling), for the
-    built-in GPT and elsewhere; true or false: as said."""
+    all) and its output head with the loss, the whole built-in GPT. A slower start (6-20 s for a 0.4B
+    Qwen2 on an H100 or H200; 3 s when its cache, under /tmp on the node, is warm), faster steps (there
+    1.5-1.8x full or LoRA, 1.2-1.7x Q-LoRA). auto: on for a Hugging Face model on a GPU under ddp,
+    accelerate or DeepSpeed ZeRO-1/2, without gradient checkpointing (where it was measured); off on
+    the CPU (a minute of compiling), for the built-in GPT and elsewhere; true or false: as said."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (Hugging Face models only):
     much less memory for about a third more compute; what fits a 7B model's long samples on a GPU."""

@@ -28,6 +28,16 @@ SPEEDUPS: dict[str, str] = {
     "tokens where a micro batch has more than 2^30 logits (tokens x vocabulary), each chunk's logits "
     "recomputed in the backward pass, so they are never held whole; on the CPU only the labelled "
     "positions go through the head",
+    "compiled_head": "with train.compile, the output head and the cross-entropy are compiled too, beside "
+    "each decoder layer: the logits' upcast to fp32 is fused into the softmax instead of written whole",
+    "qlora_bf16_rest": "Q-LoRA leaves the base's weights that are not quantized (norms, embeddings, the "
+    "output head) in the compute dtype (bf16) where peft's prepare_model_for_kbit_training casts them to "
+    "fp32 (for fp16 training): they are frozen, so their values are the same, and the activations stay "
+    "bf16 as in LoRA",
+    "bf16_master": "full fine-tuning under ddp on a bf16 GPU keeps the model's weights in bf16 and an "
+    "fp32 master copy of them in the optimizer (its moments fp32 as before): no weight cast per forward, "
+    "gradients made and all-reduced in bf16 (half the bytes on the network), the update in fp32; "
+    "checkpoints hold the fp32 master weights, as before",
 }
 
 

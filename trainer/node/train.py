@@ -542,10 +542,10 @@ def compile_wanted(config: TrainerConfig, topology: Topology) -> bool:
     """train.compile resolved: auto compiles where it was measured to help (docs/performance.md)."""
     if config.train.compile != "auto":
         return bool(config.train.compile)
-    # Not measured compiled: the accelerate engine, ZeRO-3 (it gathers each layer's weights in hooks
-    # around its forward) and gradient checkpointing (each layer's forward run again in the backward).
+    # Not measured compiled: ZeRO-3 (it gathers each layer's weights in hooks around its forward) and
+    # gradient checkpointing (each layer's forward run again in the backward).
     zero3 = config.distributed.engine == "deepspeed" and config.distributed.zero_stage == 3
-    unmeasured = zero3 or config.distributed.engine == "accelerate" or config.train.gradient_checkpointing
+    unmeasured = zero3 or config.train.gradient_checkpointing
     return topology.device.startswith("cuda") and bool(config.model.name_or_path) and not unmeasured
 
 

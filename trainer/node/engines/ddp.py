@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.node import speedups
 from trainer.node.engines import Batch, Engine, frozen_parameter_names
+from trainer.node.engines.master_weights import MasterWeights
 from trainer.node.hf.lora import keep_adapter_inputs_in_compute_dtype
 from trainer.node.optim import build_optimizer
 
@@ -47,9 +49,10 @@ class DDPEngine(Engine):
         device_ids = [topology.local_rank] if topology.device.startswith("cuda") else None
         self.model = DistributedDataParallel(self.module, device_ids=device_ids, **DDP_OPTIONS)
         sync_buffers_only_if_trained(self.model)
-        self.optimizer, self.scheduler = build_optimizer(self.module, self.config)
         # The trained parameters only: a LoRA base's frozen weights have no gradient to clip.
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
+        self.masters = MasterWeights(self.module) if wants_masters(self.trained, train.optimizer) else None
+        self.optimizer, self.scheduler = build_optimizer(self.module, self.config, masters=self.masters)
 
     def train_step(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
         accumulation = self.config.gradient_accumulation_steps
@@ -62,11 +65,17 @@ class DDPEngine(Engine):
                     loss = self.model(*batch)
                 (loss / accumulation).backward()
             total += loss.detach()
+        stepped = self.trained
+        if self.masters is not None:
+            self.masters.gradients_to_masters()
+            stepped = self.masters.masters
         if self.config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.trained, self.config.grad_clip)
+            torch.nn.utils.clip_grad_norm_(stepped, self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            self.masters.masters_to_model()
+        self.module.zero_grad(set_to_none=True)
         return total / accumulation
 
     def _forward(self, batch: Batch) -> torch.Tensor:
@@ -80,7 +89,7 @@ class DDPEngine(Engine):
         if self.topology.is_main:  # replicas are identical: one copy is the whole state
             frozen = frozen_parameter_names(self.module)
             state = {
-                "model": {k: v for k, v in self.module.state_dict().items() if k not in frozen},
+                "model": {k: v for k, v in self._weights().items() if k not in frozen},
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
             }
@@ -94,5 +103,26 @@ class DDPEngine(Engine):
                 f"{directory / STATE_FILE} does not fit this model (missing {sorted(missing)[:5]}, "
                 f"unexpected {sorted(unexpected)[:5]})"
             )
+        if self.masters is not None:
+            self.masters.load(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self._weights() if self.topology.is_main else None
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The module's state dict, the fp32 masters in place of their bf16 weights where there are some."""
+        state = self.module.state_dict()
+        return state if self.masters is None else self.masters.state_dict(state)
+
+
+def wants_masters(trained: list[torch.nn.Parameter], optimizer: str) -> bool:
+    """fp32 master weights for bf16 trained weights (the bf16_master speed-up), as DeepSpeed's bf16 mode
+    keeps them; not for bitsandbytes' 8-bit AdamW, which keeps its own state for its parameters."""
+    return (
+        speedups.enabled("bf16_master")
+        and optimizer != "adamw_8bit"
+        and bool(trained)
+        and all(p.dtype == torch.bfloat16 for p in trained)
+    )

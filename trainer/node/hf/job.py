@@ -102,7 +102,11 @@ class FineTune:
     def footprint(self, *, on_gpu: bool) -> tuple[int, int, float]:
         """(parameters, trained ones, bytes per weight: half a byte for Q-LoRA's 4-bit base)."""
         parameters, trained = self.parameter_counts()
-        return parameters, trained, 0.5 if self.config.lora.qlora else self.weights_dtype(on_gpu).itemsize
+        if self.config.lora.qlora:
+            return parameters, trained, 0.5
+        # Trained bf16 weights under ddp come with fp32 masters: as much memory as fp32 weights, at least.
+        full_ddp = not self.config.lora.enabled and self.config.distributed.engine == "ddp"
+        return parameters, trained, 4 if full_ddp else self.weights_dtype(on_gpu).itemsize
 
     def bf16_weights(self, on_gpu: bool) -> bool:
         import torch
@@ -110,10 +114,21 @@ class FineTune:
         return self.weights_dtype(on_gpu) == torch.bfloat16
 
     def weights_dtype(self, on_gpu: bool) -> torch.dtype:
+        from trainer.node import speedups
         from trainer.node.hf.model import weights_dtype
 
-        full_update = not self.config.lora.enabled and self.config.distributed.engine in ("ddp", "accelerate")
-        return weights_dtype(self.config.model, updates_all_weights_itself=full_update, on_gpu=on_gpu)
+        config = self.config
+        # ddp keeps fp32 masters of bf16 weights itself (the bf16_master speed-up), as DeepSpeed does; a run
+        # told to compute in fp32 (train.mixed_precision=no) keeps fp32 weights.
+        masters = (
+            config.distributed.engine == "ddp"
+            and config.train.mixed_precision != "no"
+            and speedups.enabled("bf16_master")
+        )
+        full_update = not config.lora.enabled and (
+            config.distributed.engine == "accelerate" or (config.distributed.engine == "ddp" and not masters)
+        )
+        return weights_dtype(config.model, updates_all_weights_itself=full_update, on_gpu=on_gpu)
 
     def build_model(self, topology: Topology, *, bf16: bool) -> tuple[torch.nn.Module, str]:
         """The loss wrapper around the loaded model (LoRA applied) and a line for the log."""

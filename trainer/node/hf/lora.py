@@ -95,7 +95,14 @@ def apply_lora(
     import peft
 
     if config.qlora:
-        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        from trainer.node import speedups
+
+        if speedups.enabled("qlora_bf16_rest"):
+            freeze_for_kbit_training(model, gradient_checkpointing=gradient_checkpointing)
+        else:
+            model = peft.prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=gradient_checkpointing
+            )
     lora = peft.LoraConfig(
         r=config.r,
         lora_alpha=config.alpha,
@@ -104,6 +111,18 @@ def apply_lora(
         task_type="CAUSAL_LM",
     )
     return peft.get_peft_model(model, lora)
+
+
+def freeze_for_kbit_training(model: torch.nn.Module, *, gradient_checkpointing: bool) -> None:
+    """What peft.prepare_model_for_kbit_training does for a bf16 run, less its cast of every weight
+    that is not quantized to fp32 (a guard for fp16 training): every base weight frozen and, under
+    gradient checkpointing, the embeddings' output made to require a gradient (a checkpointed layer
+    whose inputs need none would pass no gradient back to the adapters). The model's load already
+    turned gradient checkpointing on (trainer.node.hf.model.load_model)."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if gradient_checkpointing:
+        model.enable_input_require_grads()
 
 
 def keep_adapter_inputs_in_compute_dtype(model: torch.nn.Module) -> int:

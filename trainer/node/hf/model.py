@@ -8,6 +8,7 @@ and raise ConfigError naming `model.name_or_path` (or the key at fault) with the
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -214,6 +215,7 @@ class CausalLMLoss(nn.Module):
         )
         # Not attributes: a second path to the same modules would show in state_dict and named_modules.
         self._parts = (hf.get_decoder(), head) if plain else None
+        self._head_loss = _head_loss
 
     def forward(
         self,
@@ -232,13 +234,17 @@ class CausalLMLoss(nn.Module):
             ).loss
         decoder, head = self._parts
         hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        return chunked_cross_entropy(hidden, head, labels) / num_items_in_batch
+        return chunked_cross_entropy(hidden, head, labels, head_loss=self._head_loss) / num_items_in_batch
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """torch.compile each decoder layer (regional compilation): the layers share their code, so one
         compilation serves them all (a fraction of the whole model's compile time), and the chunked
         loss stays outside any graph. The inductor cache (TORCHINDUCTOR_CACHE_DIR, default under /tmp)
-        is node-local: a second run on the node compiles from it, warm."""
+        is node-local: a second run on the node compiles from it, warm. With the compiled_head speed-up
+        the output head and the cross-entropy of a plain-head model are compiled too: Inductor fuses the
+        logits' upcast into the softmax, so the fp32 logits are never written whole."""
+        from trainer.node import speedups
+
         hf = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         layers = getattr(hf.get_decoder(), "layers", None) if hasattr(hf, "get_decoder") else None
         if not isinstance(layers, nn.ModuleList) or not len(layers):
@@ -246,11 +252,21 @@ class CausalLMLoss(nn.Module):
             return
         for layer in layers:
             layer.compile(*args, **kwargs)
+        if self._parts is not None and speedups.enabled("compiled_head"):
+            self._head_loss = torch.compile(_head_loss, *args, **kwargs)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    labels: torch.Tensor,
+    *,
+    head_loss: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The cross-entropy of head(hidden) against labels shifted left by one (position t predicts
-    labels[t + 1], the last predicts nothing), summed over the labelled positions, in chunks."""
+    labels[t + 1], the last predicts nothing), summed over the labelled positions, in chunks.
+    `head_loss`: _head_loss or its compiled form."""
+    head_loss = head_loss or _head_loss
     from trainer.node.hf.chat import IGNORE
 
     targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1).reshape(-1)
@@ -260,13 +276,13 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.T
         hidden, targets = hidden[keep], targets[keep]
     chunk = max(MIN_CHUNK_TOKENS, CHUNK_LOGITS // head.out_features)
     if hidden.shape[0] <= chunk or hidden.shape[0] * head.out_features <= CHUNK_ABOVE:
-        return _head_loss(hidden, targets, head)
+        return head_loss(hidden, targets, head)
     from torch.utils.checkpoint import checkpoint
 
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk):
         part = slice(start, start + chunk)
-        total = total + checkpoint(_head_loss, hidden[part], targets[part], head, use_reentrant=False)
+        total = total + checkpoint(head_loss, hidden[part], targets[part], head, use_reentrant=False)
     return total
 
 
