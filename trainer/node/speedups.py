@@ -4,7 +4,8 @@ processes' environment. None changes what is trained: with one off, the loss agr
 rounding (tests/unit/node/test_speedups.py switches each one, tests/local/test_speedups_local.py all
 of them). Read when the model and the loop are built, so a process that trains several times (a
 bench) can switch them between runs. Kept where a measurement supported them (docs/performance.md,
-2026-11-27); a fused LoRA forward and gc.freeze after start-up were measured and dropped.
+2026-11-27 and 2026-11-28); a fused LoRA forward and gc.freeze after start-up were measured and
+dropped.
 
 A leaf module: no torch, no other trainer module (but the shared ConfigError).
 """
