@@ -198,18 +198,23 @@ def _check_yaml_syntax(loader: Any, inventory: Path) -> None:
             ) from None
 
 
+def refuse_problems(inventory: str | os.PathLike[str], problems: list[str], refuser: str = "") -> None:
+    """Raise an InventoryError listing every one of the inventory rules' `problems`, if any; `refuser`
+    names who refuses it where that is not the command itself (site.yml)."""
+    if problems:
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise InventoryError(
+            f"inventory {inventory}: {count}{f' {refuser} refuses' if refuser else ''}, nothing was started "
+            "or changed:\n" + "\n".join(f"  {problem}" for problem in problems)
+        )
+
+
 def load_cluster(inventory: str | os.PathLike[str]) -> Cluster:
     """Load the inventory and check it with the rules site.yml's validate play applies
     (trainer.controller.inventory_rules, for a launch); raises InventoryError listing every problem
     before anything is written or any host is contacted."""
     groups, host_vars = load_host_vars(inventory)
-    problems = inventory_rules.cluster_problems(host_vars, groups, inventory_rules.LAUNCH)
-    if problems:
-        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        raise InventoryError(
-            f"inventory {inventory}: {count}, nothing was started or changed:\n"
-            + "\n".join(f"  {problem}" for problem in problems)
-        )
+    refuse_problems(inventory, inventory_rules.cluster_problems(host_vars, groups, inventory_rules.LAUNCH))
     heads = groups.get(HEAD_GROUP, [])
     if len(heads) != 1:
         found = ", ".join(heads) if heads else "none"

@@ -148,7 +148,9 @@ class Problems:
         return out
 
 
-def _as_int(value: Any) -> int | None:
+def as_int(value: Any) -> int | None:
+    """An int from an int or a string of digits (INI inventories and Jinja give strings); else None.
+    The launcher's topology reads the inventory's numbers with it too."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -173,7 +175,7 @@ def _check_each(hosts: Mapping[str, Mapping], var: str, check: Check, out: Probl
 
 def _port(low: int) -> Check:
     def check(value: Any) -> str | None:
-        port = _as_int(value)
+        port = as_int(value)
         if port is None or not low <= port <= 65535:
             return f"is {value!r}; fix: use a port number from {low} to 65535"
         return None
@@ -234,7 +236,7 @@ def _one_of(choices: tuple, allow_empty: bool = False) -> Check:
     def check(value: Any) -> str | None:
         if allow_empty and _unset(value):
             return None
-        if isinstance(value, bool) or (value not in choices and _as_int(value) not in choices):
+        if isinstance(value, bool) or (value not in choices and as_int(value) not in choices):
             return f"is {value!r}; fix: use one of {', '.join(str(c) for c in choices)}"
         return None
 
@@ -344,7 +346,7 @@ def host_or_ip(example: str) -> Check:
 
 def _account_id(kind: str) -> Check:
     def check(value: Any) -> str | None:
-        number = _as_int(value)
+        number = as_int(value)
         if number is None or number < MIN_ID:
             return (
                 f"is {value!r}; fix: use a {kind} of {MIN_ID} or above (below {MIN_ID} are system "
@@ -430,7 +432,7 @@ def _network_problem(value: Any) -> bool:
 
 
 def _timeout(value: Any) -> str | None:
-    if (_as_int(value) or 0) >= MIN_TIMEOUT_S:
+    if (as_int(value) or 0) >= MIN_TIMEOUT_S:
         return None
     return f"is {value!r}; fix: use a whole number of seconds, {MIN_TIMEOUT_S} or more (e.g. 1800)"
 
@@ -537,7 +539,7 @@ def _check_accelerators(
     for name, hv in hosts.items():
         if "cluster_accelerators" not in hv:
             continue
-        count = _as_int(hv["cluster_accelerators"])
+        count = as_int(hv["cluster_accelerators"])
         if count is None or count < 0 or count > MAX_PROCS_PER_NODE:
             # Too many is refused too: without training_procs_per_node the launcher starts one process
             # per GPU, and the plan lists each rank.
@@ -573,7 +575,7 @@ def _check_accelerators(
     for name, hv in hosts.items():
         if _unset(hv.get("training_procs_per_node")):
             continue  # required for provisioning; the launcher takes the GPU count
-        procs = _as_int(hv["training_procs_per_node"])
+        procs = as_int(hv["training_procs_per_node"])
         if procs is None or procs < 1:
             out.add(name, f"training_procs_per_node is {hv['training_procs_per_node']!r}; fix: use 1 or more")
         elif procs > MAX_PROCS_PER_NODE:
@@ -596,7 +598,7 @@ def _check_node_ranks(hosts: Mapping[str, Mapping], head: str | None, out: Probl
     ranks = {n: hv["cluster_node_rank"] for n, hv in hosts.items() if not _unset(hv.get("cluster_node_rank"))}
     seen: dict[int, str] = {}
     for name, value in ranks.items():
-        rank = _as_int(value)
+        rank = as_int(value)
         if rank is None or not 0 <= rank < len(hosts):
             out.add(name, f"cluster_node_rank is {value!r}; fix: use 0 to {len(hosts) - 1}, or remove it")
         elif name == head and rank != 0:

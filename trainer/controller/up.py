@@ -38,10 +38,11 @@ from trainer.controller.inventory import (
     InventoryError,
     PlanningError,
     load_cluster,
+    refuse_problems,
 )
 from trainer.controller.launcher import launch_cli
 from trainer.controller.launcher.plan import JobPlan, add_job_arguments, plan_from_args
-from trainer.controller.preflight.checks import CHECKS
+from trainer.controller.preflight.checks import add_skip_argument
 from trainer.redaction import REDACTED, redact_override, secret_env
 
 PHASES = ("provision", "preflight", "launch")
@@ -84,15 +85,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "(-e converged_full_run=true, make provision FULL=1); --no-full: skip the roles there even where "
         "the inventory sets converged_full_run: true (the test bed's); default: the inventory's setting",
     )
-    group.add_argument(
-        "--preflight-skip",
-        nargs="+",
-        action="extend",
-        default=[],
-        choices=CHECKS,
-        metavar="CHECK",
-        help=f"preflight checks to leave out besides the DeepSpeed job: {', '.join(CHECKS)}",
-    )
+    add_skip_argument(group, "--preflight-skip", "preflight checks to leave out besides the DeepSpeed job")
     group.add_argument(
         "--preflight-report",
         type=Path,
@@ -226,12 +219,7 @@ def check_provisioning_rules(cluster: Cluster) -> None:
         WORKERS_GROUP: [host.name for host in cluster.workers],
     }
     problems = inventory_rules.cluster_problems(hostvars, groups, inventory_rules.PROVISION)
-    if problems:
-        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        raise InventoryError(
-            f"inventory {cluster.inventory}: {count} site.yml refuses, nothing was started or changed:\n"
-            + "\n".join(f"  {problem}" for problem in problems)
-        )
+    refuse_problems(cluster.inventory, problems, refuser="site.yml")
 
 
 def preflight_arguments(args: argparse.Namespace) -> argparse.Namespace:

@@ -22,13 +22,11 @@ from typing import Any
 
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments
-from trainer.controller.forks import forks_for
 from trainer.controller.forks import limits as forks_limits
 from trainer.controller.inventory import PlanningError
 from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan
 from trainer.controller.launcher.status import (
-    COMMAND_TIMEOUT_S,
     MALFORMED,
     PLAYBOOKS,
     describe_report,
@@ -36,6 +34,8 @@ from trainer.controller.launcher.status import (
     problem_of,
     read_launch_record,
     read_nodes,
+    reading_env,
+    reading_vars,
     report_of,
 )
 from trainer.controller.runner import run_playbook
@@ -211,19 +211,11 @@ def follow(plan: JobPlan, nodes: dict[str, int], tail: int, printer: LinePrinter
         printer.lines(host, report.get("lines") or [])
 
     extravars = {
-        "launch_nodes": {host: {"node_dir": str(plan.paths.node_dir(rank))} for host, rank in nodes.items()},
-        "launch_training_user": plan.training_user,
+        **reading_vars(plan, nodes, tail),
         "launch_become_hosts": {},
-        "launch_command_timeout_s": COMMAND_TIMEOUT_S,
         "launch_poll_s": POLL_S,
         "launch_status_timeout_s": 20,
         "launch_give_up_s": GIVE_UP_S,
-        "launch_tail": tail,
-    }
-    env = {
-        "ANSIBLE_FORKS": str(forks_for(len(nodes))),
-        "ANSIBLE_NOCOLOR": "True",
-        "ANSIBLE_GATHERING": "explicit",
     }
     restore = _interrupt_on_term()
     try:
@@ -231,7 +223,7 @@ def follow(plan: JobPlan, nodes: dict[str, int], tail: int, printer: LinePrinter
             PLAYBOOKS / "watch.yml",
             plan.topology.inventory,
             extravars,
-            env=env,
+            env=reading_env(nodes),
             limit=",".join(nodes),
             on_message=on_message,
         )

@@ -35,21 +35,34 @@ EXAMPLES = (
 )
 
 
-def read_nodes(plan: JobPlan, nodes: dict[str, int], tail: int) -> PlaybookResult:
-    """status.yml on `nodes` (host -> node rank): each node's report, `tail` log lines."""
-    extravars = {
+def reading_vars(plan: JobPlan, nodes: dict[str, int], tail: int) -> dict[str, Any]:
+    """The variables status.yml and watch.yml read a node's state with (`trainer status`, `logs`):
+    `nodes` (host -> node rank), the training account, `tail` log lines."""
+    return {
         "launch_nodes": {host: {"node_dir": str(plan.paths.node_dir(rank))} for host, rank in nodes.items()},
         "launch_training_user": plan.training_user,
         "launch_command_timeout_s": COMMAND_TIMEOUT_S,
         "launch_tail": tail,
     }
-    env = {
+
+
+def reading_env(nodes: dict[str, int]) -> dict[str, str]:
+    """ansible-playbook's environment for reading `nodes` (a worker per node at once)."""
+    return {
         "ANSIBLE_FORKS": str(forks_for(len(nodes))),
         "ANSIBLE_NOCOLOR": "True",
         "ANSIBLE_GATHERING": "explicit",
     }
+
+
+def read_nodes(plan: JobPlan, nodes: dict[str, int], tail: int) -> PlaybookResult:
+    """status.yml on `nodes` (host -> node rank): each node's report, `tail` log lines."""
     return run_playbook(
-        PLAYBOOKS / "status.yml", plan.topology.inventory, extravars, env=env, limit=",".join(nodes)
+        PLAYBOOKS / "status.yml",
+        plan.topology.inventory,
+        reading_vars(plan, nodes, tail),
+        env=reading_env(nodes),
+        limit=",".join(nodes),
     )
 
 

@@ -11,13 +11,13 @@ resolved on each node at launch: the NCCL interface and NCCL_IB_DISABLE.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainer.controller.inventory import Cluster, Host, PlanningError
+from trainer.controller.inventory_rules import as_int
 from trainer.controller.training_env import IB_AUTO, ib_disable_problem, ib_disable_value
 
 #: cluster_nccl_socket_ifname value that means "the interface holding the host's cluster_ip".
@@ -139,17 +139,6 @@ class Topology:
         }
 
 
-def _int_value(value: Any) -> int | None:
-    """An int from an int or a string of digits (INI inventories and Jinja give strings); else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
-        return int(value)
-    return None
-
-
 def _node_ranks(cluster: Cluster) -> dict[str, int]:
     """Host -> node rank: pinned ranks from cluster_node_rank, the rest filled in inventory order."""
     hosts = cluster.hosts
@@ -159,7 +148,7 @@ def _node_ranks(cluster: Cluster) -> dict[str, int]:
         raw = host.get("cluster_node_rank")
         if raw is None or raw == "":
             continue
-        rank = _int_value(raw)
+        rank = as_int(raw)
         if rank is None:
             raise TopologyError(
                 f"host {host.name}: cluster_node_rank must be an integer, got {raw!r}; "
@@ -196,7 +185,7 @@ def _node_ranks(cluster: Cluster) -> dict[str, int]:
 def _procs_per_node(host: Host) -> int:
     raw = host.get("training_procs_per_node")
     if raw is None or raw == "":
-        accelerators = _int_value(host.get("cluster_accelerators", 0)) or 0
+        accelerators = as_int(host.get("cluster_accelerators", 0)) or 0
         if accelerators > 0:
             return accelerators
         raise TopologyError(
@@ -204,7 +193,7 @@ def _procs_per_node(host: Host) -> int:
             "(cluster_accelerators is 0); set training_procs_per_node (processes per node) in "
             "group_vars/cluster/training.yml"
         )
-    procs = _int_value(raw)
+    procs = as_int(raw)
     if procs is None or procs < 1:
         raise TopologyError(
             f"host {host.name}: training_procs_per_node must be a positive integer, got {raw!r}"
@@ -216,17 +205,11 @@ def _common_int(cluster: Cluster, var: str, default: int) -> int:
     values = {}
     for host in cluster.hosts:
         raw = host.get(var, default)
-        value = _int_value(raw)
+        value = as_int(raw)
         if value is None:
             raise TopologyError(f"host {host.name}: {var} must be an integer, got {raw!r}")
         values[host.name] = value
-    if len(set(values.values())) > 1:
-        detail = ", ".join(f"{h}={v}" for h, v in values.items())
-        raise TopologyError(
-            f"{var} differs between hosts ({detail}); it is one setting for the whole job: "
-            "set it once in group_vars/cluster"
-        )
-    return next(iter(values.values()))
+    return _one_setting(var, values, "it is one setting for the whole job: set it once in group_vars/cluster")
 
 
 def _ib_disable(cluster: Cluster) -> int | str:
@@ -236,12 +219,20 @@ def _ib_disable(cluster: Cluster) -> int | str:
         if problem := ib_disable_problem(raw):
             raise TopologyError(f"host {host.name}: {problem}")
         values[host.name] = ib_disable_value(raw)
+    return _one_setting(
+        "cluster_nccl_ib_disable",
+        values,
+        "NCCL needs one transport for the whole job: set it once in group_vars/cluster (auto decides per "
+        "cluster at launch)",
+    )
+
+
+def _one_setting(var: str, values: dict[str, Any], why: str) -> Any:
+    """The value every host has of `var` (host -> its value); a TopologyError naming each host's where
+    they differ, and `why` it must be one."""
     if len(set(values.values())) > 1:
         detail = ", ".join(f"{h}={v}" for h, v in values.items())
-        raise TopologyError(
-            f"cluster_nccl_ib_disable differs between hosts ({detail}); NCCL needs one transport for "
-            "the whole job: set it once in group_vars/cluster (auto decides per cluster at launch)"
-        )
+        raise TopologyError(f"{var} differs between hosts ({detail}); {why}")
     return next(iter(values.values()))
 
 

@@ -344,3 +344,17 @@ def deepspeed_blockers(report: Report) -> str:
     """Failures that make the DeepSpeed job pointless (it could only hang or fail on them)."""
     blocking = {check.name for check in REGISTRY if check.blocks_deepspeed}
     return ", ".join(sorted({f"{r.check} ({r.subject})" for r in report.failed if r.check in blocking}))
+
+
+def add_skip_argument(parser: Any, flag: str, what: str) -> None:
+    """`flag CHECK...`: preflight checks to leave out (repeatable), by CHECKS' names; `what` opens its
+    help. `trainer preflight --skip` and `trainer up --preflight-skip`."""
+    parser.add_argument(
+        flag,
+        nargs="+",
+        action="extend",
+        default=[],
+        choices=CHECKS,
+        metavar="CHECK",
+        help=f"{what}: {', '.join(CHECKS)}",
+    )

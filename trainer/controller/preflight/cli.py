@@ -28,7 +28,7 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.preflight import bandwidth
-from trainer.controller.preflight.checks import CHECKS, PROBE_CHECKS
+from trainer.controller.preflight.checks import CHECKS, PROBE_CHECKS, add_skip_argument
 from trainer.controller.preflight.report import FAIL, PASS, SKIP, WARN, Report, Result, format_result
 
 DEFAULT_REPORT = Path("output/preflight.json")
@@ -109,15 +109,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="how long a phase of the DeepSpeed job may last before it counts as stalled (repeatable; "
         "see the README for the defaults)",
     )
-    parser.add_argument(
-        "--skip",
-        nargs="+",
-        action="extend",
-        default=[],
-        choices=CHECKS,
-        metavar="CHECK",
-        help=f"checks to leave out: {', '.join(CHECKS)}",
-    )
+    add_skip_argument(parser, "--skip", "checks to leave out")
     parser.add_argument(
         "--json",
         action="store_true",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.controller.inventory import Cluster
+from trainer.controller.preflight.host_facts import each_host_answer
 from trainer.controller.preflight.report import FAIL, PASS, SKIP, WARN, Result
 
 
@@ -45,19 +46,15 @@ def master_port(
             )
         ]
     results = []
-    for worker in cluster.workers:
-        answer = clients.get(worker.name)
-        if answer is None:
-            results.append(
-                Result(
-                    check,
-                    worker.name,
-                    FAIL,
-                    f"could not test: {why_missing(worker.name)}",
-                    fix=f"check that Ansible reaches {worker.name} (ansible {worker.name} -m ping)",
-                )
-            )
-            continue
+    for worker, answer in each_host_answer(
+        cluster.workers,
+        clients,
+        why_missing,
+        results,
+        check=check,
+        unreadable=lambda worker, why: f"could not test: {why}",
+        fix=lambda worker: f"check that Ansible reaches {worker.name} (ansible {worker.name} -m ping)",
+    ):
         reached = answer.get("master_port", {})
         if reached.get("connected"):
             results.append(Result(check, worker.name, PASS, f"reached {head.name} {head.address}:{port}"))
@@ -158,19 +155,17 @@ def ufw(cluster: Cluster, outputs: dict[str, Any], why_missing) -> list[Result]:
     master = int(head.get("cluster_master_port", 29500))
     low, high = (int(p) for p in str(head.get("cluster_comm_port_range", "29400:29999")).split(":"))
     results = []
-    for host in cluster.hosts:
-        output = outputs.get(host.name)
-        if output is None:
-            results.append(
-                Result(
-                    check,
-                    host.name,
-                    FAIL,
-                    f"could not read ufw: {why_missing(host.name)}",
-                    fix=f"check that Ansible can become root on {host.name} (ansible {host.name} -b -m ping)",
-                )
-            )
-            continue
+    for host, output in each_host_answer(
+        cluster.hosts,
+        outputs,
+        why_missing,
+        results,
+        check=check,
+        unreadable=lambda host, why: f"could not read ufw: {why}",
+        fix=lambda host: (
+            f"check that Ansible can become root on {host.name} (ansible {host.name} -b -m ping)"
+        ),
+    ):
         if output.get("rc") != 0:
             message = " ".join(str(output.get(k) or "") for k in ("msg", "stderr", "stdout")).strip()
             if "No such file" in message or output.get("rc") == 127:

@@ -21,6 +21,7 @@ from typing import Any
 
 from trainer.controller.inventory import Cluster
 from trainer.controller.launcher.plan import JobPlan
+from trainer.controller.preflight.host_facts import each_host_answer
 from trainer.controller.preflight.report import FAIL, PASS, WARN, Result
 
 CHECK = "space"
@@ -99,19 +100,15 @@ def evaluate(cluster: Cluster, plan: JobPlan | None, facts: dict[str, Any], why_
     estimate, how = checkpoint_estimate(plan, model) if plan else (None, "no plan (see the topology check)")
     kept = checkpoints_kept(plan) if plan else 1
     results = []
-    for host in cluster.hosts:
-        fact = facts.get(host.name)
-        if fact is None:
-            results.append(
-                Result(
-                    CHECK,
-                    host.name,
-                    FAIL,
-                    f"could not look at free space on {host.name}: {why_missing(host.name)}",
-                    fix=f"check that Ansible reaches {host.name} and python3 runs there",
-                )
-            )
-            continue
+    for host, fact in each_host_answer(
+        cluster.hosts,
+        facts,
+        why_missing,
+        results,
+        check=CHECK,
+        unreadable=lambda host, why: f"could not look at free space on {host.name}: {why}",
+        fix=lambda host: f"check that Ansible reaches {host.name} and python3 runs there",
+    ):
         problems: list[tuple[str, str, str]] = []  # (status, detail, fix)
         shown: list[str] = []
         shm = fact.get("shm") or {}

@@ -7,6 +7,7 @@ from typing import Any
 
 from trainer.controller.inventory import Cluster
 from trainer.controller.preflight.compare import odd_ones
+from trainer.controller.preflight.host_facts import each_host_answer
 from trainer.controller.preflight.report import FAIL, PASS, Result
 
 
@@ -25,20 +26,17 @@ def shared_dir(
         expected_uid = (facts.get(head.name) or {}).get("uid")
     seen_on_head = (verify or {}).get("results", {})
     results = []
-    for host in cluster.hosts:
-        fact = facts.get(host.name)
-        if fact is None:
-            results.append(
-                Result(
-                    check,
-                    host.name,
-                    FAIL,
-                    f"could not write: {why_missing(host.name)}",
-                    fix=f"check that user {user} exists on {host.name} "
-                    "(ansible-playbook site.yml --tags users)",
-                )
-            )
-            continue
+    for host, fact in each_host_answer(
+        cluster.hosts,
+        facts,
+        why_missing,
+        results,
+        check=check,
+        unreadable=lambda host, why: f"could not write: {why}",
+        fix=lambda host: (
+            f"check that user {user} exists on {host.name} (ansible-playbook site.yml --tags users)"
+        ),
+    ):
         write = (fact.get("shared") or {}).get("io") or {}
         if write.get("hung") or write.get("error"):
             reason = (
