@@ -213,8 +213,12 @@ def test_a_cache_others_can_write_is_refused(tiny_model, chat_data, tmp_path):  
 def test_one_process_prepares_and_the_others_wait_for_it(tiny_model, big_data, tmp_path):  # noqa: F811
     sets = sets_for(tiny_model, big_data, tmp_path, "data.packing=true")
     cache = tmp_path / "cache"
-    # Two "nodes" of two processes on one file system; the waiters start first.
-    waiters = [spawn(sets, cache, rank=r, local_rank=r % 2) for r in (3, 2, 1)]
+    # Two "nodes" of two processes on one file system; the waiters start first. Rank 2, the second
+    # node's local rank 0, would prepare itself after its grace with nothing in the cache (the case of
+    # a node that does not share the directory, tested below with a grace of 1 s): here it is longer
+    # than this test, as 5 s was not at load 14 in CI, where rank 0's start (torch's import) lagged
+    # rank 2's by more and rank 2 prepared.
+    waiters = [spawn(sets, cache, rank=r, local_rank=r % 2, grace=600) for r in (3, 2, 1)]
     time.sleep(1)
     preparer = spawn(sets, cache, rank=0, local_rank=0)
     results = [result(p) for p in [preparer, *waiters]]
