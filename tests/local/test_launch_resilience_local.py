@@ -558,14 +558,18 @@ def test_a_long_watch_writes_no_event_files_and_keeps_flat_memory(loopback, tmp_
     hosts["cluster"]["children"]["head"]["hosts"]["node0"]["training_venv"] = node1["training_venv"]
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
     env = run_env(tmp_path)
+    calls = tmp_path / "python-calls"
+    calls.touch()
     # A line every 0.05 s: rank 0's watch answers on each new line (a worker's waits on its node up
-    # to 10 s), so new lines are what make the many polls whose memory this test watches.
-    command = ["bash", "-c", "for i in $(seq 1 1400); do echo line $i; sleep 0.05; done"]
+    # to 10 s), so new lines are what make the many polls whose memory this test watches. Until the
+    # nodes were polled 400 times (1400 lines, a fixed 70 s, gave 254 polls at load 15-20 in CI, too
+    # few for the check below), and 4000 lines at most.
+    until_polled = f"[ $i -lt 4000 ] && [ $(wc -l < {calls}) -lt 400 ]"
+    command = ["bash", "-c", f"i=0; while {until_polled}; do i=$((i+1)); echo line $i; sleep 0.05; done"]
     launcher = background(
         [*launch_command(inventory, "--run-name", "long", "--poll-interval", "0.02"), "--", *command],
         env,
     )
-    calls = tmp_path / "python-calls"
     files, rss = [], []
     try:
         wait_for(lambda: calls.exists() and len(calls.read_text().split()) > 100, "100 polls", proc=launcher)
