@@ -60,6 +60,7 @@ HEAVY_FIRST: list[tuple[str, list[str]]] = [
     # 14 at load 10-15 (moved from the bed, where it took 5.5 min of the critical path)
     ("launch-resilience-sim", tests("local/test_launch_resilience_sim.py")),
     ("node-loss-sim", tests("local/test_node_loss_sim.py")),  # 11 at load 17 (moved from the bed: 95 s)
+    ("launch-sim", tests("local/test_launch_sim.py")),  # moved from the bed: 54 s there
     ("disk-full", tests("local/test_disk_full.py")),  # 11 of disk-and-checkpoints' 14.0
     ("launch", tests("local/test_launch_local.py", "local/test_launcher_forms_local.py")),  # 10.0
     ("trainer-engines", tests("local/test_trainer_engines.py")),  # 9 of local-7's 15.1

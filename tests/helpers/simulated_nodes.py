@@ -5,12 +5,15 @@ file path (neither is a package), so the tests and the benchmark count the same 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from helpers.bed_launch import TEST_SETS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,3 +43,39 @@ def sim_workdir():
     with tempfile.TemporaryDirectory(prefix="ct-sim-") as tmp:
         Path(tmp).chmod(0o755)
         yield Path(tmp)
+
+
+def launch_command(cluster: Any, run_name: str, *sets: str) -> list[str]:
+    """`trainer launch` of the bundled trainer on the cluster, with the bed's test settings and `sets`."""
+    args = [a for s in (*TEST_SETS, *sets) for a in ("--set", s)]
+    return [
+        sys.executable,
+        "-m",
+        "trainer",
+        "launch",
+        "-i",
+        str(cluster.inventory),
+        "--run-name",
+        run_name,
+        *args,
+    ]
+
+
+def trainer_pids(cluster: Any, node: int) -> list[int]:
+    """Node `node`'s `trainer train` processes (the ranks, not torchrun): those in its network namespace."""
+    listed = subprocess.run(
+        ["ip", "netns", "pids", cluster.namespaces[node]],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    pids = []
+    for pid in listed.stdout.split():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        if len(argv) > 2 and argv[1].endswith(b"/trainer") and argv[2] == b"train":
+            pids.append(int(pid))
+    return pids

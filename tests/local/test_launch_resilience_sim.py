@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.bed_launch import TEST_SETS
-from helpers.simulated_nodes import NEEDS_NETNS, netns_nodes
+from helpers.bed_launch import run_launch
+from helpers.simulated_nodes import NEEDS_NETNS, launch_command, netns_nodes, trainer_pids
 
 pytestmark = NEEDS_NETNS
 
@@ -41,21 +41,6 @@ def cluster(sim_workdir) -> Iterator:
     """Three simulated nodes, one process each (netns_nodes' inventory), down at the end."""
     with netns_nodes.nodes(3, sim_workdir / "sim") as nodes:
         yield nodes
-
-
-def launch(cluster, run_name: str, *sets: str) -> list[str]:
-    args = [a for s in (*TEST_SETS, *sets) for a in ("--set", s)]
-    return [
-        sys.executable,
-        "-m",
-        "trainer",
-        "launch",
-        "-i",
-        str(cluster.inventory),
-        "--run-name",
-        run_name,
-        *args,
-    ]
 
 
 def output_of(cluster, run_name: str) -> Path:
@@ -76,39 +61,8 @@ def unblock_ssh(cluster, node: int = BLOCKED) -> None:
     in_node(cluster, node, "iptables", "-D", *DROP_SSH, capture_output=True)
 
 
-def trainer_pids(cluster, node: int) -> list[int]:
-    """The node's `trainer train` processes (the ranks, not torchrun): those in its network namespace."""
-    listed = subprocess.run(
-        ["ip", "netns", "pids", cluster.namespaces[node]],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    pids = []
-    for pid in listed.stdout.split():
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue  # gone meanwhile
-        if len(argv) > 2 and argv[1].endswith(b"/trainer") and argv[2] == b"train":
-            pids.append(int(pid))
-    return pids
-
-
 def start(command: list[str]) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def run_launch(command: list[str], timeout: float) -> tuple[int, str]:
-    proc = start(command)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the launcher then stops the nodes' trainers itself
-        out, _ = proc.communicate(timeout=120)
-        pytest.fail(f"trainer launch did not finish within {timeout:.0f} s:\n{out}")
-    return proc.returncode, out
 
 
 def wait_for_checkpoint(launcher: subprocess.Popen, output: Path, timeout: float = 600) -> None:
@@ -138,7 +92,7 @@ def test_ssh_blocked_for_20_s_the_run_finishes(cluster):
     run_name, output = "blip", output_of(cluster, "blip")
     # Long enough to outlast the block: the checkpoint at step 4, then 20 s blocked (a step takes 0.5
     # to 1.5 s here).
-    launcher = start(launch(cluster, run_name, "train.max_steps=80"))
+    launcher = start(launch_command(cluster, run_name, "train.max_steps=80"))
     broken = False
     try:
         wait_for_checkpoint(launcher, output)
@@ -156,7 +110,9 @@ def test_ssh_blocked_for_20_s_the_run_finishes(cluster):
 
 def test_ssh_blocked_past_the_grace_stops_every_node_and_names_it(cluster):
     run_name, output = "lost", output_of(cluster, "lost")
-    launcher = start([*launch(cluster, run_name, "train.max_steps=4000"), "--unreachable-grace", "30"])
+    launcher = start(
+        [*launch_command(cluster, run_name, "train.max_steps=4000"), "--unreachable-grace", "30"]
+    )
     try:
         wait_for_checkpoint(launcher, output)
         block_ssh(cluster)
@@ -168,14 +124,14 @@ def test_ssh_blocked_past_the_grace_stops_every_node_and_names_it(cluster):
         assert "failed: n02 (node 2) was lost at step " in out and ": no answer for " in out, out
         assert "could not confirm the stop on n02" in out, out
     finally:
-        subprocess.run([*launch(cluster, run_name), "--stop"], timeout=600)
+        subprocess.run([*launch_command(cluster, run_name), "--stop"], timeout=600)
     no_trainer_left(cluster)
 
 
 def test_a_stuck_rank_stops_every_node_within_the_stall_timeout_and_is_named(cluster):
     rc, out = run_launch(
         [
-            *launch(cluster, "stall", "train.max_steps=400"),
+            *launch_command(cluster, "stall", "train.max_steps=400"),
             # Counted from the ranks' first report: 30 s is far beyond a tiny GPT step here, loaded.
             "--stall-timeout",
             "30",
@@ -194,9 +150,9 @@ def test_a_killed_worker_trainer_restarts_from_its_checkpoint_with_the_same_fina
     run_name, output = "restarted", output_of(cluster, "restarted")
     reference = output_of(cluster, "straight")
     # 20 steps, 16 of them after the restart from step-4.
-    rc, out = run_launch(launch(cluster, reference.name, "train.max_steps=20"), timeout=1200)
+    rc, out = run_launch(launch_command(cluster, reference.name, "train.max_steps=20"), timeout=1200)
     assert rc == 0, out
-    launcher = start([*launch(cluster, run_name, "train.max_steps=20"), "--max-restarts", "1"])
+    launcher = start([*launch_command(cluster, run_name, "train.max_steps=20"), "--max-restarts", "1"])
     wait_for_checkpoint(launcher, output)
     victims = trainer_pids(cluster, 1)
     assert victims, "n01's trainer is running"
@@ -224,7 +180,7 @@ def test_a_killed_worker_trainer_restarts_from_its_checkpoint_with_the_same_fina
 
 
 def test_sighup_to_the_launcher_stops_every_node(cluster):
-    launcher = start(launch(cluster, "hup", "train.max_steps=4000"))
+    launcher = start(launch_command(cluster, "hup", "train.max_steps=4000"))
     try:
         for line in launcher.stdout:
             if line.startswith("step "):
@@ -242,7 +198,7 @@ def test_sighup_to_the_launcher_stops_every_node(cluster):
 def test_attach_after_kill_9_follows_the_run_to_its_end(cluster):
     run_name, output = "attached", output_of(cluster, "attached")
     # Still running when attach comes in (seconds after the kill at the step-4 checkpoint).
-    launcher = start(launch(cluster, run_name, "train.max_steps=50"))
+    launcher = start(launch_command(cluster, run_name, "train.max_steps=50"))
     try:
         wait_for_checkpoint(launcher, output)
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.bed_launch import testbed  # noqa: F401 - the fixture, for every test here
 
 HERE = Path(__file__).resolve().parent
 

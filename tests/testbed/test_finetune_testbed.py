@@ -22,8 +22,8 @@ from helpers.finetune_harness import generate
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("ct-head", "ct-worker1")
-#: Its own (access 29543, launch 29541, node loss 29547, launcher forms 29549, commands 29551), so a
-#: run another test left behind cannot hold it.
+#: Its own (access 29543, node loss 29547, launcher forms 29549, commands 29551), so a run another
+#: test left behind cannot hold it.
 MASTER_PORT = 29545
 
 pytestmark = [pytest.mark.slow, BED_UP]

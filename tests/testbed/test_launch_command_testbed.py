@@ -23,8 +23,8 @@ from helpers.bed_launch import BED_UP, ENV, HOSTS, INVENTORY, group_vars, run_la
 from helpers.testbed_nodes import own_like
 
 OWN_COMMAND = Path(__file__).resolve().parents[1] / "data" / "own_command"
-#: A master port of its own (test_launch_testbed uses 29541, access 29543, finetune 29545, node loss
-#: 29547, launcher forms 29549): a run another test left behind cannot hold it.
+#: A master port of its own (access 29543, finetune 29545, node loss 29547, launcher forms 29549): a
+#: run another test left behind cannot hold it.
 MASTER_PORT = 29551
 SECRET = "testbed-secret-5d2e"
 

@@ -23,7 +23,7 @@ from helpers.bed_launch import BED_UP, HOSTS, INVENTORY, group_vars, run_launch
 from helpers.testbed_nodes import own_like
 
 FORMS = Path(__file__).resolve().parents[1] / "data" / "world_forms"
-#: A master port of its own (other testbed tests use 29541, 29543, 29545, 29547, 29551).
+#: A master port of its own (other testbed tests use 29543, 29545, 29547, 29551).
 MASTER_PORT = 29549
 NODES, PROCS = 3, 2
 
