@@ -10,6 +10,10 @@ DATA_ERROR = 3
 #: A node of the job was lost (it stopped answering while its peers' collectives failed) and the job
 #: could not go on without it (sysexits' EX_UNAVAILABLE).
 NODE_LOST = 69
+#: A stall whose culprit the kernel names (sysexits' EX_OSERR): a rank stopped by a signal (state T),
+#: blocked in uninterruptible sleep (state D, on a hung mount or device: its node is at fault), or gone
+#: while its peers wait in their collective (launcher/hang.py).
+HUNG = 71
 #: Ctrl-C, TERM or HUP: the launcher stopped every node and ended (128 + SIGINT, as a shell reports it).
 INTERRUPTED = 130
 #: A GPU health check tripped the circuit breaker; the node's hardware needs attention.

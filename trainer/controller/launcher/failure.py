@@ -9,7 +9,9 @@ own exit code:
   command, a rank killed by a signal) the node's exit code with the rank from its error file or
   torchrun's summary;
 - `gpu_fault`: the health check's GPU_FAULT line, where no rank's exit record says it;
-- `stall`: no rank advanced (or no node printed) for --stall-timeout.
+- `stall`: no rank advanced (or no node printed) for --stall-timeout;
+- `hung`: a stall whose culprit the kernel names (hang.py: a rank stopped, in uninterruptible sleep,
+  or gone while its peers wait; exit code HUNG), each other rank a `waiting` consequence.
 
 An exit whose reason says a peer went away (trainer.peer_loss) is a consequence whenever any other
 event exists; among the rest the earliest is the cause. `diagnose` decides; `Diagnosis` is data (the
@@ -27,6 +29,7 @@ from typing import Any
 from rich.markup import escape
 
 from trainer import exitcodes
+from trainer.controller.launcher.hang import Hang, find_hang, state_lines
 from trainer.controller.launcher.live import (
     HostState,
     JobMonitor,
@@ -48,6 +51,8 @@ KIND_WORDS = {
     "killed": "killed",
     "gpu_fault": "GPU fault",
     "stall": "stalled",
+    "hung": "hung",
+    "waiting": "waiting",
     "world": "no single job",
 }
 
@@ -58,7 +63,8 @@ class Event:
     host: str
     node_rank: int
     kind: str
-    """lost | exit | killed | gpu_fault | stall | world (a user's command formed no single job)"""
+    """lost | exit | killed | gpu_fault | stall | hung | waiting (a hung rank's peer) | world (a user's
+    command formed no single job)"""
     code: int
     """The exit code this event stands for: the rank's own, NODE_LOST for a lost node."""
     message: str
@@ -68,6 +74,8 @@ class Event:
     """The event says a peer went away (a collective broke): it follows from another event."""
     detail: str = ""
     """Where to look further: the traceback's last frame and its error file."""
+    node_at_fault: bool = False
+    """A hung rank blocked in the kernel (state D): its node, not the job, is at fault (hang.Hang)."""
 
     @property
     def where(self) -> str:
@@ -104,6 +112,12 @@ class Diagnosis:
         return self.cause.code
 
     @property
+    def at_fault(self) -> list[str]:
+        """The cause's host when the node is at fault but answers (a rank in state D): the restart
+        policy leaves it out with --exclude-failed, as a lost node."""
+        return [self.cause.host] if self.cause.node_at_fault else []
+
+    @property
     def head_lost(self) -> bool:
         return self.head in self.lost
 
@@ -129,6 +143,8 @@ class Diagnosis:
         after = self.cause_phrase
         if event.kind == "lost":
             return f"{event.host} (node {event.node_rank}) was lost too ({event.message})"
+        if event.kind == "waiting":
+            return f"{event.where}: {event.message}, after {after}"
         if is_peer_loss(event.message) or (event.consequence and not event.message):
             return f"{event.where}: its collective failed after {after} (exit code {event.code})"
         return f"{event.where}: {event.message}, after {after} (exit code {event.code})"
@@ -140,6 +156,8 @@ class Diagnosis:
             return f"{cause.host} was lost"
         if cause.kind == "stall":
             return "the stall"
+        if cause.kind == "hung":
+            return f"{cause.where} hung"
         if cause.kind == "world":
             return "the world check"
         return f"{cause.where} {'was killed' if cause.kind == 'killed' else 'failed'}"
@@ -319,20 +337,7 @@ def diagnose(monitor: JobMonitor, *, bundled: bool = True, now: float | None = N
     for hs in monitor.hosts.values():
         events += host_events(hs, monitor.ranks.get(hs.host), now)
     if monitor.stall is not None:
-        stall = monitor.stall
-        behind = stall.behind[0] if stall.behind else (monitor.rank0_host, None, None)
-        host = monitor.hosts[behind[0]]
-        events.append(
-            Event(
-                monitor.stalled_at or now,
-                host.host,
-                host.node_rank,
-                "stall",
-                exitcodes.FAILURE,
-                stall.summary,
-                behind[1],
-            )
-        )
+        events += _stall_events(monitor, now)
     if monitor.world is not None and monitor.world.failure is not None:
         host, message = monitor.world.failure
         # Bad input, as a config error is: the same command would form separate jobs again.
@@ -373,6 +378,50 @@ def diagnose(monitor: JobMonitor, *, bundled: bool = True, now: float | None = N
     )
 
 
+def stall_hang(monitor: JobMonitor) -> Hang | None:
+    """The culprit of the monitor's stall by its ranks' process states (hang.py), None without one (or
+    before the stop's reports brought the states)."""
+    return find_hang(
+        {hs.host: hs.proc_states for hs in monitor.hosts.values()},
+        {hs.host: hs.node_rank for hs in monitor.hosts.values()},
+        monitor.ranks,
+    )
+
+
+def _stall_events(monitor: JobMonitor, now: float) -> list[Event]:
+    """A stall as events: a hung rank (the cause) and its peers waiting (consequences), where the
+    kernel names one; else the stall itself, at the first rank behind."""
+    stall, at = monitor.stall, monitor.stalled_at or now
+    assert stall is not None
+    hang = stall_hang(monitor)
+    if hang is None:
+        behind = stall.behind[0] if stall.behind else (monitor.rank0_host, None, None)
+        host = monitor.hosts[behind[0]]
+        return [Event(at, host.host, host.node_rank, "stall", exitcodes.FAILURE, stall.summary, behind[1])]
+    culprit = hang.culprit
+    events = [
+        Event(
+            at,
+            culprit.host,
+            culprit.node_rank,
+            "hung",
+            exitcodes.HUNG,
+            culprit.what if culprit.rank is not None else f"{culprit.label}: {culprit.what}",
+            culprit.rank,
+            node_at_fault=hang.node_at_fault,
+            detail=f"found by the stall watchdog: {stall.summary}",
+        )
+    ]
+    for other in hang.others:
+        text = hang.consequence_text(other)
+        events.append(
+            Event(
+                at, other.host, other.node_rank, "waiting", exitcodes.HUNG, text, other.rank, consequence=True
+            )
+        )
+    return events
+
+
 def render(
     diagnosis: Diagnosis,
     monitor: JobMonitor,
@@ -386,7 +435,7 @@ def render(
     the cause's traceback pointer and log lines (and a stall's stacks)."""
     cause = diagnosis.cause
     fault = monitor.hosts[cause.host].gpu_fault if cause.code == exitcodes.GPU_FAULT else None
-    if cause.kind == "stall":
+    if cause.kind in ("stall", "hung"):
         _render_stall(diagnosis, monitor, view, stall_timeout_s, stacks or {})
     elif fault:
         gpu, uuid, rank = escape(fault["gpu"]), escape(fault["uuid"]), escape(fault["rank"])
@@ -412,7 +461,7 @@ def render(
         view.log("other hosts: " + ", ".join(others))
     if stopped_in:
         view.message(f"the trainer was stopped on every host that answers{stopped_in}")
-    if cause.kind != "stall":
+    if cause.kind not in ("stall", "hung"):
         last_lines(cause.host, monitor, view)
 
 
@@ -429,6 +478,14 @@ def _render_stall(
     timeout_text = (
         f" (bound: {stall.bound})" if stall.bound else f" (--stall-timeout {timeout:g})" if timeout else ""
     )
+    if diagnosis.cause.kind == "hung":
+        view.message(f"[red]hung[/red]: {escape(diagnosis.summary)}")
+    else:
+        for line in state_lines(
+            {hs.host: hs.proc_states for hs in monitor.ordered},
+            {hs.host: hs.node_rank for hs in monitor.ordered},
+        ):
+            view.log(f"process state: {line}")
     if not diagnosis.bundled:
         view.message(
             f"[red]stalled[/red]: {stall.summary}{timeout_text}; every node was stopped. "
@@ -447,6 +504,8 @@ def _render_stall(
         view.message(
             f"[red]stalled[/red]: {stall.summary}{timeout_text}; behind: {names}; every node was stopped."
         )
+    elif diagnosis.cause.kind == "hung":  # the hung rank is where the others are, by its step
+        view.message(f"[red]stalled[/red]: {stall.summary}{timeout_text}; every node was stopped.")
     else:
         view.message(
             f"[red]stalled[/red]: {stall.summary}{timeout_text}; none was behind the others (a collective "

@@ -13,7 +13,8 @@ with a timeout, no module built or copied.
   in its own process group, then follows each node: a long poll that answers as soon as there are
   new lines (rank 0's are shown, plus a state line per host), streamed through the runner's channel
   rather than as Ansible events; after a clean end on every node it releases the lock;
-- stop.yml stops the process group on every node (with each rank's stack first after a stall). It
+- stop.yml stops the process group on every node (after a stall, with each rank's process state and
+  stack first: hang.py names a rank stopped, blocked in the kernel or gone from the states). It
   runs as soon as any host fails, on Ctrl-C, TERM or HUP, and with `--stop` (stop.py, `trainer
   stop`); the last stop of a launch (no restart follows) releases the lock. A run stopped from
   outside (`trainer stop`) ends the attempt as stopped, exit 130, with no restart.
@@ -197,6 +198,7 @@ class Launcher:
         monitor: JobMonitor | None = None,
         *,
         stacks: bool = False,
+        states: bool = False,
         record: dict | None = None,
         release: bool = False,
         skip: set[str] = frozenset(),
@@ -212,6 +214,7 @@ class Launcher:
                 "stop.yml",
                 self.extravars(
                     launch_stacks=stacks,
+                    launch_states=states,
                     launch_stop_record=record or {},
                     # Not only when known to be held: an interrupt can come between the lock's
                     # taking and its report. The head removes it only for this launcher's token.
@@ -450,7 +453,10 @@ class Launcher:
             # answers (a node that does not answer it) complete it for the report (_diagnosed).
             early = diagnose(monitor, bundled=plan.runs_bundled_trainer)
             if stall is not None:
-                view.message(f"stalled ({stall.summary}): collecting stacks, then stopping every host")
+                view.message(
+                    f"stalled ({stall.summary}): collecting process states and stacks, then stopping "
+                    "every host"
+                )
             elif early is not None:
                 view.message(f"{early.cause_phrase}; stopping the trainer on every host that answers")
         except Exception as err:  # reported, then the stop
@@ -459,6 +465,7 @@ class Launcher:
         stopped = self.stop(
             monitor,
             stacks=stall is not None and plan.runs_bundled_trainer,
+            states=stall is not None,
             record=self._stop_record(early),
             release=final,
             skip=skipped,

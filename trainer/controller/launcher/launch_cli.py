@@ -144,7 +144,8 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="stop every node when no rank advances a step (bundled trainer; counted from its ranks' "
         "first report) or no node prints a line "
-        "(your command) for S seconds, naming the ranks behind (default for the bundled trainer: "
+        "(your command) for S seconds, naming the ranks behind, or by its process state a rank stopped, "
+        "blocked in the kernel or gone while its peers wait (exit 71) (default for the bundled trainer: "
         f"{STALL_STEP_FACTOR:g} × its slowest step, at least {STALL_FLOOR_S:g} s; "
         f"{BUNDLED_STALL_TIMEOUT_S:g} s before its steps' times are known and during an evaluation or "
         "a checkpoint save; off for your command; 0: off)",

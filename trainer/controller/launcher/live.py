@@ -213,6 +213,9 @@ class HostState:
     killed_by: int | None = None
     #: Its lines told apart: the ranks' own (and their first error line), a launcher's traceback.
     output: RankOutput = field(default_factory=RankOutput)
+    #: At a stall, each rank's process state as the stop found it (node_ctl.process_states; hang.py
+    #: names the culprit from them); None until a stop reported them.
+    proc_states: list[Any] | None = None
 
     @property
     def failed(self) -> bool:
@@ -475,6 +478,8 @@ class JobMonitor:
         for record in report.get("progress") or []:
             if isinstance(record, dict) and _integer(record.get("rank", 0)) is not None:
                 hs.progress[record.get("rank", 0)] = record
+        if isinstance(report.get("proc_states"), list):
+            hs.proc_states = report["proc_states"]
         if self.world is not None:
             self.world.note(hs.host, report.get("state"), report.get("joined"))
         if report.get("errors"):

@@ -8,11 +8,13 @@ After a failed attempt, in this order:
 2. the head lost (rank 0, the master, the NFS server of the shared dir) cannot be survived: said
    plainly, with what to run once it is back;
 3. a lost node (it stopped answering while its peers failed, or past the unreachable grace, or its
-   probe failed at a restart) is left out at once with --exclude-failed; so is a node that was the
-   cause twice. The job starts again on the survivors from the latest complete checkpoint, with the
-   effective batch kept: gradient accumulation raised (and the micro batch lowered where needed,
-   never above the user's) so that micro × world × accumulation stays the same; where the survivors
-   cannot divide it, --allow-batch-change accepts the nearest batch, else the run stops saying so;
+   probe failed at a restart) is left out at once with --exclude-failed; so is a node at fault that
+   still answers (a rank hung in uninterruptible sleep: a mount or device of its own, hang.py), and a
+   node that was the cause twice. The job starts again on the survivors from the latest complete
+   checkpoint, with the effective batch kept: gradient accumulation raised (and the micro batch
+   lowered where needed, never above the user's) so that micro × world × accumulation stays the same;
+   where the survivors cannot divide it, --allow-batch-change accepts the nearest batch, else the run
+   stops saying so;
 4. a probe failure at a restart is a node loss to leave out, not a failure that uses up a restart;
 5. otherwise a restart is used, up to K.
 Every restart is a line on the screen and a record in `<run>/launch/history.jsonl`, naming the cause,
@@ -204,6 +206,9 @@ class RestartPolicy:
             self.caused[diagnosis.cause.host] += 1
         lost = [h for h in outcome.lost if h != head]
         repeat = [h for h, n in self.caused.items() if n >= 2 and h != head and h in self._hosts()]
+        # A node at fault that still answers (a rank in state D) is left out as a lost one; without
+        # --exclude-failed it is restarted as any failure is (it may have recovered).
+        repeat += [h for h in (diagnosis.at_fault if diagnosis is not None else []) if h != head]
         leave_out = sorted(set(lost) | set(repeat) if self.exclude_failed else set(), key=self._hosts().index)
         if lost and not self.exclude_failed:
             if self.replan is None and self.max_restarts:

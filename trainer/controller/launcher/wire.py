@@ -67,6 +67,7 @@ LAUNCH_VARS = frozenset(
         "launch_stop_grace_s",
         "launch_has_secrets",
         "launch_stacks",
+        "launch_states",
         "launch_stop_record",
         "launch_tail",
         "launch_lock_request",
@@ -228,6 +229,8 @@ def launch_vars(
         "launch_stop_grace_s": options.stop_grace_s,
         "launch_has_secrets": plan.has_secrets,
         "launch_stacks": False,
+        # A stall: each node reports its ranks' process states before it stops them (hang.py).
+        "launch_states": False,
         "launch_stop_record": {},
         "launch_tail": 20,
         "launch_lock_request": lock_request,

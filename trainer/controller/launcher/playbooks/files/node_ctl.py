@@ -20,8 +20,9 @@ copied first (one round trip per step, and no secret on a command line):
 - status: state, exit record, the log's lines after the caller's offset (a long poll: it answers as
   soon as there is something new, or after `wait` seconds; with `quiet`, only the trainer's end
   cuts it short), each rank's progress;
-- stop: the stacks of the trainer's ranks when asked (a stall), then TERM to run.sh's process group
-  and KILL to whatever is left after the grace period.
+- stop: each rank's process state (`states`: the kernel's, see process_states) and the stacks of the
+  trainer's ranks when asked (a stall), then TERM to run.sh's process group (a stopped process of the
+  launch continued to take it) and KILL to whatever is left after the grace period.
 
 By hand (the copy `start` leaves in the node dir): `python node_ctl.py NODE_DIR status|stop|pids`.
 A worker's run.sh also starts `node_ctl.py NODE_DIR watch-join` beside a user's command (the world
@@ -489,6 +490,144 @@ def stacks(node_dir: Path, venv_bin: str) -> dict[str, str]:
     return found
 
 
+# --- what the kernel says of each rank at a stall (the culprit by its process state) ---------------
+
+#: /proc/<pid>/stat states a stall report singles out (proc(5)): stopped by a signal or a debugger,
+#: in uninterruptible sleep, exited but not yet reaped. R and S run or wait, as a collective's peers do.
+TELLING_STATES = ("T", "t", "D", "Z")
+#: System calls a process in state D may be blocked in whose argument names what it waits on: number ->
+#: (name, the argument's index, "fd" or "path"), for the two machines cluster nodes run.
+WAITED_CALLS = {
+    "x86_64": {
+        0: ("read", 0, "fd"), 1: ("write", 0, "fd"), 2: ("open", 0, "path"), 4: ("stat", 0, "path"),
+        5: ("fstat", 0, "fd"), 6: ("lstat", 0, "path"), 17: ("pread64", 0, "fd"), 18: ("pwrite64", 0, "fd"),
+        19: ("readv", 0, "fd"), 20: ("writev", 0, "fd"), 21: ("access", 0, "path"), 74: ("fsync", 0, "fd"),
+        75: ("fdatasync", 0, "fd"), 217: ("getdents64", 0, "fd"), 257: ("openat", 1, "path"),
+        262: ("newfstatat", 1, "path"), 269: ("faccessat", 1, "path"), 332: ("statx", 1, "path"),
+        439: ("faccessat2", 1, "path"),
+    },
+    "aarch64": {
+        48: ("faccessat", 1, "path"), 56: ("openat", 1, "path"), 61: ("getdents64", 0, "fd"),
+        63: ("read", 0, "fd"), 64: ("write", 0, "fd"), 65: ("readv", 0, "fd"), 66: ("writev", 0, "fd"),
+        67: ("pread64", 0, "fd"), 68: ("pwrite64", 0, "fd"), 79: ("newfstatat", 1, "path"),
+        80: ("fstat", 0, "fd"), 82: ("fsync", 0, "fd"), 83: ("fdatasync", 0, "fd"), 291: ("statx", 1, "path"),
+        439: ("faccessat2", 1, "path"),
+    },
+}  # fmt: skip
+#: AT_FDCWD as /proc/<pid>/syscall prints a directory argument (32 bits).
+AT_FDCWD = 0xFFFFFF9C
+
+
+def _proc_text(pid: int, name: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def _user_string(pid: int, address: int) -> str:
+    """The NUL-ended string at `address` in the process's memory ('' where ptrace rights are missing)."""
+    try:
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as memory:
+            memory.seek(address)
+            return memory.read(4096).split(b"\0", 1)[0].decode("utf-8", "replace")
+    except (OSError, ValueError, OverflowError):
+        return ""
+
+
+def waited_on(pid: int) -> dict:
+    """What a process in state D is blocked in: its system call (/proc/<pid>/syscall, readable with
+    ptrace rights over it) and, where the call names one, the file: a descriptor's target or the path
+    it passed (read from its memory, relative ones joined to the directory they are relative to)."""
+    fields = _proc_text(pid, "syscall").split()
+    if not fields or not fields[0].isdigit():
+        return {"syscall": ""}  # not readable, or "running" / -1 (blocked outside a system call)
+    number, args = int(fields[0]), [int(arg, 16) for arg in fields[1:7]]
+    call = WAITED_CALLS.get(os.uname().machine, {}).get(number)
+    if call is None or len(args) <= call[1]:
+        return {"syscall": f"system call {number}"}
+    name, index, kind = call
+    target = ""
+    with contextlib.suppress(OSError):
+        if kind == "fd":
+            target = os.readlink(f"/proc/{pid}/fd/{args[index]}")
+        elif (target := _user_string(pid, args[index])) and not target.startswith("/"):
+            at = args[0] & 0xFFFFFFFF if index else AT_FDCWD
+            base = os.readlink(f"/proc/{pid}/cwd" if at == AT_FDCWD else f"/proc/{pid}/fd/{at}")
+            target = os.path.join(base, target)
+    return {"syscall": name, "waits_on": target}
+
+
+def process_record(pid: int, environ: list[bytes]) -> dict | None:
+    """A process as the kernel sees it: state, parent, rank (RANK in its environment, as torchrun
+    gives each worker), command, the kernel function it sleeps in (wchan), and for state D what it
+    waits on (waited_on)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        state, ppid = fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    rank = next((v[5:].decode() for v in environ if v.startswith(b"RANK=")), "")
+    wchan = _proc_text(pid, "wchan")  # "0": running, or not ours to see
+    record = {
+        "pid": pid,
+        "ppid": ppid,
+        "state": state,
+        "rank": int(rank) if rank.isdigit() else None,
+        "command": " ".join(_command(pid))[:200],
+        "wchan": "" if wchan == "0" else wchan,
+    }
+    if state == "D":
+        record.update(waited_on(pid))
+    return record
+
+
+def process_states(node_dir: Path, limit: int = 64) -> list[dict]:
+    """At a stall, this node's part of the launch as the kernel sees it (process_record): one entry per
+    rank (its main process, or a process of the rank that is stopped or in state D, a data loader's
+    say, with `of_rank_pid`), then the processes without a rank that are stopped, in D or exited
+    (torchrun's agent), or where no process has a rank (a command without torchrun) the command's own.
+    Reads only: nothing is signalled. The processes are this launch's (its tag) and this node's (the
+    node rank run.sh exports: loopback and simulated nodes share one machine's processes)."""
+    launch_id = _launch_id(node_dir)
+    if launch_id is None:
+        return []
+    marker = f"{TAG_VARIABLE}={launch_id}".encode()
+    records: dict[int, dict] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        environ = _environ(proc.name)
+        if marker not in environ or not _of_node(environ, node_dir):
+            continue
+        if (record := process_record(int(proc.name), environ)) is not None:
+            records[record["pid"]] = record
+    return _rank_units(records)[:limit]
+
+
+def _of_node(environ: list[bytes], node_dir: Path) -> bool:
+    """A process of this node's part of the launch: the node rank run.sh exports is the node dir's (or
+    the process has none)."""
+    node_rank = f"NODE_RANK={node_dir.name.removeprefix('node-')}".encode()
+    return node_rank in environ or not any(v.startswith(b"NODE_RANK=") for v in environ)
+
+
+def _rank_units(records: dict[int, dict]) -> list[dict]:
+    by_rank: dict[int, list[dict]] = {}
+    for record in sorted(records.values(), key=lambda r: r["pid"]):
+        if record["rank"] is not None:
+            by_rank.setdefault(record["rank"], []).append(record)
+    units = []
+    for rank, group in sorted(by_rank.items()):
+        main = next((r for r in group if records.get(r["ppid"], {}).get("rank") != rank), group[0])
+        odd = next((r for r in group if r["state"] in TELLING_STATES), None)
+        telling = odd is not None and main["state"] not in TELLING_STATES
+        units.append({**odd, "of_rank_pid": main["pid"]} if telling else main)
+    rankless = [r for r in sorted(records.values(), key=lambda r: r["pid"]) if r["rank"] is None]
+    units += [r for r in rankless if r["state"] in TELLING_STATES]
+    if not by_rank:
+        units += [r for r in rankless if r["ppid"] not in records and r["state"] not in TELLING_STATES]
+    return units
+
+
 def stop(node_dir: Path, grace_s: float) -> dict:
     """TERM to run.sh's group (torchrun passes it on to its workers), KILL to whatever is left."""
     pid = _pid(node_dir)
@@ -497,6 +636,13 @@ def stop(node_dir: Path, grace_s: float) -> dict:
         stopped = True
         (node_dir / "stop-requested").write_text(f"{time.time()}\n")
         _signal_group(pid, signal.SIGTERM)
+        # A stopped process (state T: a stall's culprit) takes the TERM only once continued; each is
+        # this launch's own (tagged_pids checks its tag) and this node's (another node's stop must not
+        # continue it before that node has read its state).
+        for victim in tagged_pids(node_dir):
+            stopped = _proc_text(victim, "stat").rsplit(")", 1)[-1].split()[:1] == ["T"]
+            if stopped and _of_node(_environ(victim), node_dir):
+                _signal(victim, signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         while tagged_pids(node_dir) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -970,6 +1116,8 @@ def serve(request: dict) -> int:
             )
         elif op == "stop":
             node_dir = Path(request["node_dir"])
+            # A stall's process states first: the stacks' SIGUSR1 and the stop change them.
+            states = process_states(node_dir) if request.get("states") else None
             found = stacks(node_dir, request.get("venv_bin", "")) if request.get("stacks") else {}
             if found:
                 # Kept with the node's logs: the evidence of a stall survives the relaunch.
@@ -978,6 +1126,8 @@ def serve(request: dict) -> int:
                 )
             result = stop(node_dir, float(request.get("grace_s", 10.0)))
             result["stacks"] = found
+            if states is not None:
+                result["proc_states"] = states
             if request.get("output_dir"):
                 with contextlib.suppress(OSError):
                     latest = latest_checkpoint_file(Path(request["output_dir"]))

@@ -1,0 +1,243 @@
+"""Hangs injected for real on two loopback "hosts": seconds from the injection to the culprit named.
+
+Per kind, one `trainer launch --stall-timeout S` on the loopback cluster (tests/helpers/loopback.py:
+node0 and node1 are this machine, one process each), a hang injected into node1's rank once the run
+trains, and from the launcher's output, stamped as it arrives:
+- `detected`: seconds from the injection to the stall watchdog's line (`stalled (...): collecting`);
+- `named`: seconds to the report's first line (`hung: ...` where the kernel names the culprit by its
+  process state, else `stalled: ...` with the ranks behind), after every node was asked for its
+  ranks' states and stacks and stopped;
+- what was named (that line), and the launcher's exit code (71 HUNG, 1 a stall without a culprit).
+
+Kinds:
+- `sigstop`: the bundled trainer (ddp), node1's rank stopped with SIGSTOP at step 4 or later;
+- `sleep`: the bundled trainer, node1's rank sleeping outside a collective before step 6
+  (`TRAINER_TEST_STALL=1:6`), injected when its record of step 5 done was written;
+- `torchrun-sigstop`: your own command, `torchrun` of a script that all-reduces in a loop and prints
+  every 20 iterations (no progress files), node1's rank stopped with SIGSTOP;
+- `dstate`: your own command, node1's process reading a file of a FUSE mount that never answers
+  (state D, as on a hard NFS mount whose server stopped; root only, tests/helpers/hung_mount.py),
+  injected when the process entered state D.
+
+Run (no bed needed; about a minute or two per kind on 2 loaded cores):
+    .venv/bin/python bench/hangs.py [--kinds sigstop,sleep,torchrun-sigstop,dstate] [--stall-timeout 20]
+                                    [--log FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(REPO / "tests"))
+from helpers.hung_mount import hung_mount  # noqa: E402 - the tests' helpers: one way to hang a mount
+from helpers.loopback import write_inventory  # noqa: E402
+from helpers.loopback_launch import TINY, environ, launch_command, trainer_pids  # noqa: E402
+
+KINDS = ("sigstop", "sleep", "torchrun-sigstop", "dstate")
+#: A user's torchrun script with its own all-reduce loop (gloo on the CPU), printing as it goes.
+ALLREDUCE_LOOP = """
+import os, time
+print(f"rank {os.environ['RANK']} importing torch", flush=True)
+import torch, torch.distributed as dist
+print(f"rank {os.environ['RANK']} joining the process group", flush=True)
+dist.init_process_group("gloo")
+t = torch.ones(1)
+for i in range(1_000_000):
+    dist.all_reduce(t)
+    if i % 20 == 0:
+        print(f"rank {dist.get_rank()} iteration {i}", flush=True)
+    time.sleep(0.01)
+"""
+
+
+class Launch:
+    """A launcher in the background, its output lines stamped (time.monotonic()) as they arrive."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def first(self, prefix: str) -> tuple[float, str] | None:
+        return next(((t, text) for t, text in self.lines if text.startswith(prefix)), None)
+
+    def wait(self, timeout: float = 900) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        self._reader.join(timeout=30)
+        return code
+
+
+def wait_for(predicate: Callable[[], object], what: str, launch: Launch, timeout: float = 600) -> object:
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if launch.proc.poll() is not None:
+            raise SystemExit(f"the launcher ended ({launch.proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {what} within {timeout:.0f} s")
+        time.sleep(0.1)
+    return value
+
+
+def progress(node_dir: Path, rank: int) -> dict:
+    try:
+        return json.loads((node_dir / "progress" / f"rank-{rank}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def state_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def node_pids(node_dir: Path, program: str) -> list[int]:
+    """This launch's processes on the node whose command line has `program` (by its tag and node rank)."""
+    launch_id = (node_dir / "launch-id").read_text().strip() if (node_dir / "launch-id").exists() else ""
+    tag = f"CLUSTERTRAIN_LAUNCH_ID={launch_id}".encode()
+    node = f"NODE_RANK={node_dir.name.removeprefix('node-')}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        env = environ(int(proc.name))
+        if launch_id and tag in env and node in env:
+            try:
+                if program in (proc / "cmdline").read_bytes().decode("utf-8", "replace"):
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
+def run_kind(kind: str, root: Path, stall_s: float) -> dict:
+    inventory, shared = write_inventory(root)
+    shared.mkdir(exist_ok=True)
+    node1 = shared / "runs" / kind / "launch" / "node-1"
+    base = [*launch_command(inventory, "--run-name", kind, "--stall-timeout", f"{stall_s:g}")]
+    bundled = [*base, "--set", "train.max_steps=400", *TINY]
+    if kind == "sigstop":
+        launch = Launch(bundled)
+        wait_for(lambda: int(progress(node1, 1).get("started") or 0) >= 4, "rank 1 in step 4", launch)
+        for pid in wait_for(lambda: trainer_pids(node1), "node1's trainer", launch):
+            os.kill(pid, signal.SIGSTOP)
+        injected = time.monotonic()
+    elif kind == "sleep":
+        launch = Launch([*bundled, "--env", "TRAINER_TEST_STALL=1:6:3600"])
+        record = node1 / "progress" / "rank-1.json"
+        wait_for(lambda: int(progress(node1, 1).get("done") or 0) >= 5, "rank 1's step 5 done", launch)
+        # The rank sleeps right after writing that record: its age is how long ago the sleep began.
+        injected = time.monotonic() - (time.time() - record.stat().st_mtime)
+    elif kind == "torchrun-sigstop":
+        script = shared / "allreduce_loop.py"
+        script.write_text(ALLREDUCE_LOOP)
+        launch = Launch([*base, "--", "torchrun", "--nproc-per-node", "1", str(script)])
+        wait_for(lambda: any("iteration 100" in text for _, text in launch.lines), "100 iterations", launch)
+        rank1 = wait_for(
+            lambda: [p for p in node_pids(node1, "allreduce_loop.py") if b"RANK=1" in environ(p)],
+            "node1's rank",
+            launch,
+        )
+        for pid in rank1:
+            os.kill(pid, signal.SIGSTOP)
+        injected = time.monotonic()
+    else:
+        return run_dstate(root, base, node1)
+    return measured(kind, launch, injected)
+
+
+def run_dstate(root: Path, base: list[str], node1: Path) -> dict:
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        return {"kind": "dstate", "skipped": "needs root and /dev/fuse"}
+    mount = root / "nfs"
+    mount.mkdir()
+    script = (
+        'echo "node $NODE_RANK ready"; '
+        f'if [ "$NODE_RANK" = 1 ]; then sleep 5; exec {sys.executable} -c '
+        f"\"open('{mount}/shard.bin').read()\"; "
+        "else exec sleep 3600; fi"
+    )
+    with hung_mount(str(mount)):
+        launch = Launch([*base, "--", "bash", "-c", script])
+        wait_for(
+            lambda: [p for p in node_pids(node1, "shard.bin") if state_of(p) == "D"],
+            "a process in state D",
+            launch,
+        )
+        injected = time.monotonic()
+        return measured("dstate", launch, injected)
+
+
+def measured(kind: str, launch: Launch, injected: float) -> dict:
+    code = launch.wait()
+    detected = launch.first("stalled (")
+    named = launch.first("hung: ") or launch.first("stalled: ")
+    return {
+        "kind": kind,
+        "exit_code": code,
+        "detected_s": round(detected[0] - injected, 1) if detected else None,
+        "named_s": round(named[0] - injected, 1) if named else None,
+        "named": named[1] if named else "(nothing named)",
+        # Where nothing hung was named: what the launcher said, to see why.
+        "output": [f"{t - injected:7.1f} {text}" for t, text in launch.lines],
+        "said": [] if named and named[1].startswith("hung: ") else [text for _, text in launch.lines[-25:]],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    parser.add_argument("--stall-timeout", type=float, default=20.0, help="the launches' --stall-timeout")
+    parser.add_argument("--log", type=Path, help="write every launcher's whole output here")
+    args = parser.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        parser.error(f"unknown kind(s) {', '.join(unknown)}; known: {', '.join(KINDS)}")
+    print(f"load: {os.getloadavg()[0]:.1f} (1 min), --stall-timeout {args.stall_timeout:g}", flush=True)
+    results = []
+    for kind in kinds:
+        with tempfile.TemporaryDirectory(prefix=f"hangs-{kind}-") as root:
+            result = run_kind(kind, Path(root), args.stall_timeout)
+        results.append(result)
+        if args.log:
+            with args.log.open("a") as log:
+                log.write(f"=== {kind}\n" + "\n".join(result.pop("output", [])) + "\n")
+        result.pop("output", None)
+        if "skipped" in result:
+            print(f"{kind:17} skipped: {result['skipped']}", flush=True)
+            continue
+        print(
+            f"{kind:17} detected {result['detected_s']} s, named {result['named_s']} s after the injection, "
+            f"exit {result['exit_code']}: {result['named']}",
+            flush=True,
+        )
+        for line in result.pop("said"):
+            print(f"    {line}", flush=True)
+    print(json.dumps(results))
+    return 0 if all(r.get("named_s") is not None or "skipped" in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""A hang's culprit named by its process state, for real on two loopback "hosts" (issue 39): a rank of
+the bundled trainer stopped with SIGSTOP mid-run, and a user's command blocked in the kernel on a FUSE
+mount that never answers (state D; needs root). The launcher names the host and the rank with its
+state within about the stall bound, stops every process, and exits with HUNG (71)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.loopback_launch import TINY, launch_command, launch_processes, trainer_pids
+from helpers.loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
+
+from trainer import exitcodes
+
+STALL_S = 20
+
+
+@pytest.fixture
+def loopback(request) -> tuple[Path, Path]:
+    return request.getfixturevalue("_loopback_cluster")
+
+
+def run_env(tmp_path: Path) -> dict[str, str]:
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir(exist_ok=True)
+    return dict(os.environ, TMPDIR=str(tmp))
+
+
+def step_of(node_dir: Path, rank: int) -> int:
+    try:
+        return int(json.loads((node_dir / "progress" / f"rank-{rank}.json").read_text()).get("started") or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 400):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the launcher ended ({proc.returncode}) before {what}: {proc.stdout.read()}"
+            )
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
+    return value
+
+
+def test_a_stopped_rank_is_named_with_its_state_and_everything_is_stopped(loopback, tmp_path):
+    inventory, shared = loopback
+    run = shared / "runs" / "sigstop"
+    command = launch_command(
+        inventory,
+        "--run-name",
+        "sigstop",
+        "--stall-timeout",
+        str(STALL_S),
+        "--set",
+        "train.max_steps=400",
+        *TINY,
+    )
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env(tmp_path)
+    )
+    try:
+        node1 = run / "launch" / "node-1"
+        wait_for(lambda: step_of(node1, 1) >= 4, "rank 1 in step 4", launcher)
+        victims = wait_for(lambda: trainer_pids(node1), "node1's trainer", launcher)
+        for pid in victims:
+            os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        out, _ = launcher.communicate(timeout=400)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    took = time.monotonic() - stopped_at
+    print(f"SIGSTOP of rank 1 to the launcher's end (culprit named, every node stopped): {took:.0f} s")
+    assert launcher.returncode == exitcodes.HUNG, out
+    assert (
+        "hung: stopped (SIGSTOP or another stop signal) — state T (rank 1 on node1 (node 1), exit code 71)"
+        in out
+    )
+    assert "then: rank 0 on node0 (node 0): waiting in its collective" in out, out
+    assert took < STALL_S + 120, f"named and stopped {took:.0f} s after the SIGSTOP (bound {STALL_S} s)"
+    for node in (0, 1):
+        assert launch_processes(run / "launch" / f"node-{node}") == [], "every process of the launch is gone"
+    assert all(not Path(f"/proc/{pid}").exists() for pid in victims), "the stopped rank too"
+
+
+def test_a_command_blocked_on_a_hung_mount_names_the_node_and_the_file(loopback, tmp_path):
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount made without fusermount needs root and /dev/fuse")
+    from helpers.hung_mount import hung_mount
+
+    inventory, shared = loopback
+    shared.mkdir()  # the command's working dir (training_workdir's default)
+    mount = tmp_path / "nfs"
+    mount.mkdir()
+    script = (
+        'echo "node $NODE_RANK ready"; '
+        f'if [ "$NODE_RANK" = 1 ]; then exec {sys.executable} -c "open(\'{mount}/shard-1.bin\').read()"; '
+        "else exec sleep 600; fi"
+    )
+    with hung_mount(str(mount)):
+        done = subprocess.run(
+            [
+                *launch_command(inventory, "--run-name", "dstate", "--stall-timeout", "10"),
+                "--",
+                "bash",
+                "-c",
+                script,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env=run_env(tmp_path),
+        )
+    out = done.stdout + done.stderr
+    assert done.returncode == exitcodes.HUNG, out
+    assert "in uninterruptible sleep — state D in fuse_" in out, out
+    assert f", blocked in openat on {mount}/shard-1.bin (node1 (node 1), exit code 71)" in out, out
+    assert "hung: python (pid " in out and "(node1 (node 1), exit code 71)" in out, out
+    assert "then: node0 (node 0): sleep (pid " in out, "the other node's process, its consequence"
+    for node in (0, 1):
+        assert launch_processes(shared / "runs" / "dstate" / "launch" / f"node-{node}") == []

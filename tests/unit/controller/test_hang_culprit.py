@@ -1,0 +1,253 @@
+"""A stall's culprit by what the kernel says (launcher/hang.py, node_ctl.process_states), on real
+processes: a rank stopped with SIGSTOP (state T), a rank blocked on a FUSE mount that never answers
+(state D, with the file it waits on; needs root for the mount), their peers sleeping. The stopped or
+blocked rank is the cause with its own exit code, the others its consequence; a node at fault (state
+D) is left out by --exclude-failed as a lost node is; a stall without such a rank stays a stall."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.loopback import write_inventory
+from rich.console import Console
+
+from trainer import exitcodes
+from trainer.controller.inventory import load_cluster
+from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
+from trainer.controller.launcher.hang import find_hang
+from trainer.controller.launcher.live import JobMonitor, LiveView
+from trainer.controller.launcher.plan import make_plan
+from trainer.controller.launcher.restarts import RestartPolicy
+
+NODE_CTL = Path(__file__).resolve().parents[3] / "trainer/controller/launcher/playbooks/files/node_ctl.py"
+LAUNCH_ID = "hang-test-1"
+
+
+def node_ctl():
+    spec = importlib.util.spec_from_file_location("node_ctl_under_test", NODE_CTL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def node_dir(tmp_path: Path, node_rank: int) -> Path:
+    directory = tmp_path / f"node-{node_rank}"
+    directory.mkdir(exist_ok=True)
+    (directory / "launch-id").write_text(f"{LAUNCH_ID}\n")
+    return directory
+
+
+def rank_process(node_rank: int, rank: int, argv: list[str]) -> subprocess.Popen:
+    """A process of this launch on node `node_rank` with torchrun's RANK, as run.sh and torchrun tag it."""
+    env = dict(os.environ, CLUSTERTRAIN_LAUNCH_ID=LAUNCH_ID, NODE_RANK=str(node_rank), RANK=str(rank))
+    return subprocess.Popen(argv, env=env)
+
+
+def wait_state(pid: int, state: str) -> None:
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != state:
+        assert time.monotonic() < deadline, f"pid {pid} never reached state {state}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def processes():
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        proc.kill()  # SIGKILL ends a stopped process and a killable wait alike
+        proc.wait(timeout=30)
+
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def stalled_monitor(view: LiveView) -> JobMonitor:
+    """A user's command on two nodes (one rank each) with --stall-timeout 5, silent past it."""
+    monitor = JobMonitor(
+        {"head": 0, "w1": 1},
+        "head",
+        view,
+        stall_timeout_s=5,
+        progress_from_steps=False,
+        ranks={"head": range(0, 1), "w1": range(1, 2)},
+    )
+    for host in ("head", "w1"):
+        monitor.on_message(
+            {"host": host, "type": "report", "report": {"state": "running", "lines": ["ready"]}}
+        )
+    monitor.last_progress_at -= 60
+    monitor.check_time()
+    assert monitor.stall is not None
+    return monitor
+
+
+def stop_reports(monitor: JobMonitor, tmp_path: Path) -> None:
+    """What each node's stop answers at a stall: its process states (node_ctl reading the real /proc)."""
+    ctl = node_ctl()
+    for host, node_rank in (("head", 0), ("w1", 1)):
+        states = ctl.process_states(node_dir(tmp_path, node_rank))
+        monitor.apply(monitor.hosts[host], {"state": "running", "proc_states": states})
+
+
+def rendered(monitor: JobMonitor, view: LiveView, out: io.StringIO) -> tuple[Diagnosis, str]:
+    diagnosis = diagnose(monitor, bundled=False)
+    assert diagnosis is not None
+    render(diagnosis, monitor, view, stall_timeout_s=5)
+    return diagnosis, out.getvalue()
+
+
+def test_a_stopped_rank_is_the_cause_and_its_peer_waits(tmp_path, processes):
+    processes += [rank_process(0, 0, SLEEPER), rank_process(1, 1, SLEEPER)]
+    os.kill(processes[1].pid, signal.SIGSTOP)
+    wait_state(processes[1].pid, "T")
+    out = io.StringIO()
+    with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
+        monitor = stalled_monitor(view)
+        stop_reports(monitor, tmp_path)
+        diagnosis, shown = rendered(monitor, view, out)
+    cause = diagnosis.cause
+    assert (cause.kind, cause.host, cause.rank, cause.code) == ("hung", "w1", 1, exitcodes.HUNG)
+    assert (
+        "hung: stopped (SIGSTOP or another stop signal) — state T (rank 1 on w1 (node 1), exit code 71)"
+        in shown
+    )
+    assert "then: rank 0 on head (node 0): waiting in its collective (sleeping — state S" in shown, shown
+    assert diagnosis.restartable and diagnosis.at_fault == [], "a stop is the job's failure, not the node's"
+    assert diagnosis.as_record()["cause"]["message"].startswith("stopped (SIGSTOP")
+
+
+def test_a_rank_blocked_on_a_hung_mount_names_the_file_and_its_node_is_at_fault(tmp_path, processes):
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount made without fusermount needs root and /dev/fuse")
+    from helpers.hung_mount import hung_mount
+
+    mount = tmp_path / "share"
+    mount.mkdir()
+    with hung_mount(str(mount)):
+        processes += [
+            rank_process(0, 0, SLEEPER),
+            rank_process(1, 1, [sys.executable, "-c", f"open({str(mount / 'data.bin')!r}).read()"]),
+        ]
+        try:
+            wait_state(processes[1].pid, "D")
+            out = io.StringIO()
+            with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
+                monitor = stalled_monitor(view)
+                stop_reports(monitor, tmp_path)
+                diagnosis, shown = rendered(monitor, view, out)
+        finally:
+            processes[1].kill()
+            processes[1].wait(timeout=30)
+    cause = diagnosis.cause
+    assert (cause.kind, cause.host, cause.rank, cause.code) == ("hung", "w1", 1, exitcodes.HUNG)
+    # The kernel function it sleeps in is the kernel's own (fuse_get_req on 6.x), the call and file are not.
+    assert cause.message.startswith("in uninterruptible sleep — state D in fuse_"), cause.message
+    assert cause.message.endswith(f", blocked in openat on {mount}/data.bin"), cause.message
+    assert diagnosis.at_fault == ["w1"], "blocked in the kernel: the node is at fault"
+    assert "hung: in uninterruptible sleep — state D" in shown, shown
+
+
+def test_a_stall_without_a_stopped_or_blocked_rank_stays_a_stall_and_shows_each_state(tmp_path, processes):
+    processes += [rank_process(0, 0, SLEEPER), rank_process(1, 1, SLEEPER)]
+    for proc in processes:
+        wait_state(proc.pid, "S")
+    out = io.StringIO()
+    with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
+        monitor = stalled_monitor(view)
+        stop_reports(monitor, tmp_path)
+        diagnosis, shown = rendered(monitor, view, out)
+    assert diagnosis.cause.kind == "stall" and diagnosis.code == exitcodes.FAILURE
+    assert "process state: rank 1 on w1 (node 1): sleeping — state S, in hrtimer_nanosleep" in shown, shown
+
+
+def test_a_rank_gone_while_its_peers_wait_is_the_cause_only_where_ranks_are_numbered_as_planned():
+    waiting = {"pid": 10, "ppid": 1, "state": "S", "rank": 0, "wchan": "futex_wait_queue"}
+    hang = find_hang(
+        {"head": [waiting], "w1": []}, {"head": 0, "w1": 1}, {"head": range(0, 1), "w1": range(1, 2)}
+    )
+    assert hang is not None and (hang.culprit.host, hang.culprit.rank, hang.culprit.state) == (
+        "w1",
+        1,
+        "gone",
+    )
+    assert hang.culprit.what == "exited while its peers wait (its process is gone)"
+    # Two ranks per node planned, one per node run: the numbering is the command's own, nothing is gone.
+    other = {**waiting, "pid": 11, "rank": 1}
+    assert (
+        find_hang(
+            {"head": [waiting], "w1": [other]}, {"head": 0, "w1": 1}, {"head": range(2), "w1": range(2, 4)}
+        )
+        is None
+    )
+    # A node's report is untrusted: a record that is not one is skipped, not a crash.
+    assert find_hang({"head": ["x", {"state": 3}], "w1": None}, {"head": 0, "w1": 1}, {}) is None
+
+
+class HungOnce:
+    """Attempts: the first hangs in state D on node1, the next (on what is left) succeeds."""
+
+    def __init__(self, plan, cluster) -> None:
+        self.plan, self.cluster, self.plans = plan, cluster, []
+
+    def attempt(self, view, record, **kwargs):
+        if self.plans:
+            return Outcome(exitcodes.OK, "done")
+        out = io.StringIO()
+        with LiveView(Console(file=out, force_terminal=False)) as inner:
+            monitor = JobMonitor(
+                {"node0": 0, "node1": 1}, "node0", inner, stall_timeout_s=5, progress_from_steps=False
+            )
+            monitor.last_progress_at -= 60
+            monitor.check_time()
+            blocked = {
+                "pid": 5,
+                "ppid": 1,
+                "state": "D",
+                "rank": 1,
+                "wchan": "fuse_get_req",
+                "syscall": "openat",
+            }
+            monitor.apply(monitor.hosts["node1"], {"state": "running", "proc_states": [blocked]})
+            monitor.apply(monitor.hosts["node0"], {"state": "running", "proc_states": []})
+            diagnosis = diagnose(monitor, bundled=False)
+        return Outcome(diagnosis.code, "failed", ["node1"], diagnosis.summary, True, diagnosis=diagnosis)
+
+    def use_plan(self, plan) -> None:
+        self.plan = plan
+        self.plans.append([n.host for n in plan.topology.nodes])
+
+    def new_launch(self) -> None:
+        pass
+
+    def take_over_lock(self, view):
+        return None
+
+    def release_lock(self, view) -> None:
+        pass
+
+
+def test_exclude_failed_leaves_a_node_at_fault_out_as_a_lost_one(tmp_path):
+    cluster = load_cluster(write_inventory(tmp_path)[0])
+
+    def replan(excluded, extra):
+        kept = dataclasses.replace(
+            cluster, workers=tuple(h for h in cluster.workers if h.name not in excluded)
+        )
+        return make_plan(kept, run_name="hung", command=("true",))
+
+    launcher = HungOnce(replan(set(), []), cluster)
+    out = io.StringIO()
+    view = LiveView(Console(file=out, force_terminal=False, width=300))
+    code = RestartPolicy(launcher, view, max_restarts=1, exclude_failed=True, replan=replan).run()
+    assert code == exitcodes.OK and launcher.plans == [["node0"]], out.getvalue()
+    assert "node1 left out: 2 -> 1 nodes" in out.getvalue(), out.getvalue()
