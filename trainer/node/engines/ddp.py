@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.node import speedups
-from trainer.node.engines import Batch, Engine, frozen_parameter_names
+from trainer.node.engines import Batch, Engine, frozen_parameter_names, master_weights
 from trainer.node.engines.master_weights import MasterWeights
 from trainer.node.hf.lora import keep_adapter_inputs_in_compute_dtype
 from trainer.node.optim import build_optimizer
@@ -118,11 +117,6 @@ class DDPEngine(Engine):
 
 
 def wants_masters(trained: list[torch.nn.Parameter], optimizer: str) -> bool:
-    """fp32 master weights for bf16 trained weights (the bf16_master speed-up), as DeepSpeed's bf16 mode
-    keeps them; not for bitsandbytes' 8-bit AdamW, which keeps its own state for its parameters."""
-    return (
-        speedups.enabled("bf16_master")
-        and optimizer != "adamw_8bit"
-        and bool(trained)
-        and all(p.dtype == torch.bfloat16 for p in trained)
-    )
+    """fp32 master weights for the trained weights (master_weights.wanted), when all are of one dtype."""
+    dtypes = {p.dtype for p in trained}
+    return len(dtypes) == 1 and master_weights.wanted(dtypes.pop(), optimizer)

@@ -53,3 +53,11 @@ class MasterWeights:
         for name, master in self._names.items():
             if name in state:
                 master.copy_(state[name])
+
+
+def wanted(weights_dtype: torch.dtype, optimizer: str) -> bool:
+    """fp32 masters for trained weights of this dtype (the bf16_master speed-up), as DeepSpeed's bf16
+    mode keeps them; not for bitsandbytes' 8-bit AdamW, which keeps its own state for its parameters."""
+    from trainer.node import speedups
+
+    return weights_dtype == torch.bfloat16 and optimizer != "adamw_8bit" and speedups.enabled("bf16_master")

@@ -104,9 +104,13 @@ class FineTune:
         parameters, trained = self.parameter_counts()
         if self.config.lora.qlora:
             return parameters, trained, 0.5
-        # Trained bf16 weights under ddp come with fp32 masters: as much memory as fp32 weights, at least.
+        from trainer.node.engines.master_weights import wanted
+
+        dtype = self.weights_dtype(on_gpu)
+        # Trained bf16 weights under ddp with fp32 masters: as much memory as fp32 weights, at least.
         full_ddp = not self.config.lora.enabled and self.config.distributed.engine == "ddp"
-        return parameters, trained, 4 if full_ddp else self.weights_dtype(on_gpu).itemsize
+        masters = full_ddp and wanted(dtype, self.config.train.optimizer)
+        return parameters, trained, 4 if masters else dtype.itemsize
 
     def bf16_weights(self, on_gpu: bool) -> bool:
         import torch
