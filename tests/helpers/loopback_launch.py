@@ -5,6 +5,7 @@ launch tests import it instead of each other."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,13 @@ def loopback_cluster(tmp_path) -> tuple[Path, Path]:
 
 def launch_command(inventory: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "trainer", "launch", "-i", str(inventory), "--poll-interval", "1", *extra]
+
+
+def run_env(tmp_path: Path) -> dict[str, str]:
+    """The launcher's environment: its own TMPDIR, so its private dirs can be looked at."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir(exist_ok=True)
+    return dict(os.environ, TMPDIR=str(tmp))
 
 
 TINY = ["--set", "train.warmup_steps=1", "--set", "train.log_every=2", "--set", "checkpoint.save_steps=3"]

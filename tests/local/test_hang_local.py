@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.loopback_launch import TINY, launch_command, launch_processes, trainer_pids
+from helpers.loopback_launch import TINY, launch_command, launch_processes, run_env, trainer_pids
 from helpers.loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 from trainer import exitcodes
@@ -25,12 +25,6 @@ STALL_S = 20
 @pytest.fixture
 def loopback(request) -> tuple[Path, Path]:
     return request.getfixturevalue("_loopback_cluster")
-
-
-def run_env(tmp_path: Path) -> dict[str, str]:
-    tmp = tmp_path / "tmpdir"
-    tmp.mkdir(exist_ok=True)
-    return dict(os.environ, TMPDIR=str(tmp))
 
 
 def step_of(node_dir: Path, rank: int) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.loopback import VENV
-from helpers.loopback_launch import TINY, launch_command, launch_processes, trainer_pids
+from helpers.loopback_launch import TINY, launch_command, launch_processes, run_env, trainer_pids
 from helpers.loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 from trainer import exitcodes
@@ -33,13 +33,6 @@ from trainer import exitcodes
 def loopback(request) -> tuple[Path, Path]:
     """(inventory, shared dir) of two loopback hosts: helpers.loopback_launch's loopback_cluster."""
     return request.getfixturevalue("_loopback_cluster")
-
-
-def run_env(tmp_path: Path) -> dict[str, str]:
-    """The launcher's environment: its own TMPDIR, so its private dirs can be looked at."""
-    tmp = tmp_path / "tmpdir"
-    tmp.mkdir(exist_ok=True)
-    return dict(os.environ, TMPDIR=str(tmp))
 
 
 def flaky_venv(tmp_path: Path, inventory: Path, mode: str, host: str = "node1") -> Path:
