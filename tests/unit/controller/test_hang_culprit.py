@@ -126,6 +126,38 @@ def test_a_stopped_rank_is_the_cause_and_its_peer_waits(tmp_path, processes):
     assert diagnosis.as_record()["cause"]["message"].startswith("stopped (SIGSTOP")
 
 
+def test_a_stop_ends_a_node_with_a_stopped_rank_and_says_it_stopped_it(tmp_path, processes):
+    """node_ctl's stop continues this node's stopped rank so it takes the TERM sent to run.sh's group
+    (no KILL after the grace), and answers that it stopped the run: `trainer stop` prints "stopped"
+    from that answer, not "not running"."""
+    directory = node_dir(tmp_path, 0)
+    ctl = node_ctl()
+    # Each rank takes a second to exit after the TERM, as a trainer does: the stop finds them still there.
+    slow_exit = (
+        "import signal, sys, time; "
+        "signal.signal(15, lambda *_: (time.sleep(1), sys.exit(0))); time.sleep(120)"
+    )
+    sleeper = f"{sys.executable} -c '{slow_exit}'"
+    group = subprocess.Popen(  # run.sh's place: the group leader, two ranks under it
+        ["bash", "-c", f"{sleeper} & {sleeper} & wait"],
+        env=dict(os.environ, CLUSTERTRAIN_LAUNCH_ID=LAUNCH_ID, NODE_RANK="0"),
+        start_new_session=True,
+    )
+    processes.append(group)
+    (directory / "pid").write_text(f"{group.pid}\n")
+    deadline = time.monotonic() + 20
+    while len(ranks := [pid for pid in ctl.tagged_pids(directory) if pid != group.pid]) < 2:
+        assert time.monotonic() < deadline, "the two ranks never started"
+        time.sleep(0.05)
+    os.kill(ranks[0], signal.SIGSTOP)  # the lower pid: the stop looks at the running one after it
+    wait_state(ranks[0], "T")
+    started = time.monotonic()
+    answer = ctl.stop(directory, grace_s=60)
+    assert answer["stopped"] is True, answer
+    assert ctl.tagged_pids(directory) == [], "every process of the launch ended"
+    assert time.monotonic() - started < 30, "the stopped rank took the TERM: no wait for the grace's KILL"
+
+
 def test_a_rank_blocked_on_a_hung_mount_names_the_file_and_its_node_is_at_fault(tmp_path, processes):
     if os.geteuid() != 0 or not Path("/dev/fuse").exists():
         pytest.skip("a FUSE mount made without fusermount needs root and /dev/fuse")

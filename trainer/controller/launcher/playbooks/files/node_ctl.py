@@ -640,8 +640,8 @@ def stop(node_dir: Path, grace_s: float) -> dict:
         # this launch's own (tagged_pids checks its tag) and this node's (another node's stop must not
         # continue it before that node has read its state).
         for victim in tagged_pids(node_dir):
-            stopped = _proc_text(victim, "stat").rsplit(")", 1)[-1].split()[:1] == ["T"]
-            if stopped and _of_node(_environ(victim), node_dir):
+            frozen = _proc_text(victim, "stat").rsplit(")", 1)[-1].split()[:1] == ["T"]
+            if frozen and _of_node(_environ(victim), node_dir):
                 _signal(victim, signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         while tagged_pids(node_dir) and time.monotonic() < deadline:
