@@ -98,7 +98,10 @@ def test_a_command_blocked_on_a_hung_mount_names_the_node_and_the_file(loopback,
     mount.mkdir()
     script = (
         'echo "node $NODE_RANK ready"; '
-        f'if [ "$NODE_RANK" = 1 ]; then exec {sys.executable} -c "open(\'{mount}/shard-1.bin\').read()"; '
+        # Node 1's last line comes from its python, once started (a start-up slowed by a loaded machine
+        # is not counted in the stall): then it opens the file at once.
+        f'if [ "$NODE_RANK" = 1 ]; then exec {sys.executable} -c '
+        f"\"print('opening', flush=True); open('{mount}/shard-1.bin').read()\"; "
         "else exec sleep 600; fi"
     )
     with hung_mount(str(mount)):
