@@ -71,6 +71,33 @@ from trainer.controller.training_env import IB_AUTO
 INTERRUPTED = exitcodes.INTERRUPTED
 
 
+def job_monitor(plan: JobPlan, options: WatchOptions, view: LiveView) -> JobMonitor:
+    """The per-node states of one attempt of `plan`, watched with `options` (also a Slurm step's:
+    guest.py)."""
+    topo = plan.topology
+    world = None
+    if plan.world_checked:
+        world = WorldCheck(
+            workers=tuple(n.host for n in topo.nodes[1:]),
+            head=topo.head.host,
+            endpoint=f"{topo.master_addr}:{topo.master_port}",
+            strict=plan.user_launcher is not None,
+            launcher=plan.user_launcher or "",
+            timeout_s=options.world_timeout_s,
+        )
+    return JobMonitor(
+        {n.host: n.node_rank for n in topo.nodes},
+        topo.head.host,
+        view,
+        unreachable_grace_s=options.unreachable_grace_s,
+        stall_timeout_s=options.stall_timeout_s,
+        stall_adaptive=options.stall_adaptive,
+        progress_from_steps=plan.runs_bundled_trainer,
+        ranks={n.host: n.global_ranks(topo.gpus_per_node) for n in topo.nodes},
+        world=world,
+    )
+
+
 class Launcher:
     """One attempt at a time of a launch (attempt, or follow for `trainer attach`), its stops and the
     run's lock. Its whole state is declared here; the restart policy (restarts.py) drives it."""
@@ -256,28 +283,7 @@ class Launcher:
     # --- one attempt --------------------------------------------------------------------------
 
     def monitor(self, view: LiveView) -> JobMonitor:
-        topo = self.plan.topology
-        world = None
-        if self.plan.world_checked:
-            world = WorldCheck(
-                workers=tuple(n.host for n in topo.nodes[1:]),
-                head=topo.head.host,
-                endpoint=f"{topo.master_addr}:{topo.master_port}",
-                strict=self.plan.user_launcher is not None,
-                launcher=self.plan.user_launcher or "",
-                timeout_s=self.options.world_timeout_s,
-            )
-        return JobMonitor(
-            {n.host: n.node_rank for n in topo.nodes},
-            topo.head.host,
-            view,
-            unreachable_grace_s=self.options.unreachable_grace_s,
-            stall_timeout_s=self.options.stall_timeout_s,
-            stall_adaptive=self.options.stall_adaptive,
-            progress_from_steps=self.plan.runs_bundled_trainer,
-            ranks={n.host: n.global_ranks(topo.gpus_per_node) for n in topo.nodes},
-            world=world,
-        )
+        return job_monitor(self.plan, self.options, view)
 
     def attempt(
         self,

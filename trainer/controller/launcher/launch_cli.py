@@ -17,9 +17,17 @@ from trainer import exitcodes
 from trainer.controller import forks
 from trainer.controller.access import configure_access
 from trainer.controller.inventory import Cluster, PlanningError, load_cluster
+from trainer.controller.launcher import slurm_allocation
+from trainer.controller.launcher.guest import GuestLaunch
 from trainer.controller.launcher.launch import Launcher
 from trainer.controller.launcher.live import LiveView
-from trainer.controller.launcher.plan import COMMAND_EPILOG, JobPlan, add_job_arguments, plan_from_args
+from trainer.controller.launcher.plan import (
+    COMMAND_EPILOG,
+    JobPlan,
+    add_job_arguments,
+    add_over_ssh_argument,
+    plan_from_args,
+)
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.stall import STALL_FLOOR_S, STALL_STEP_FACTOR
 from trainer.controller.launcher.stop import stop_run
@@ -54,6 +62,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stop the run's trainer on every host (e.g. after the launcher died): `trainer stop`",
     )
+    add_over_ssh_argument(parser)
     add_watch_arguments(parser)
     add_restart_arguments(parser)
 
@@ -76,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     if problem := option_problem(args):
         print(f"trainer launch: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    if (job := slurm_allocation.allocation_job()) is not None and not args.over_ssh:
+        return run_in_allocation(args, job)
     early: PrestartedRun | None = None
     try:
         try:
@@ -110,6 +121,34 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if early is not None:
             early.cancel()  # unused (an error, an interrupt): its ansible-playbook waits for nothing
+
+
+def run_in_allocation(args: argparse.Namespace, job: str) -> int:
+    """`trainer launch` inside the Slurm allocation `job`: the job on the allocation's nodes as one
+    step of it (guest.py), the rest from the inventory and the command line as over SSH."""
+    if args.max_restarts:
+        print(
+            "trainer launch: --max-restarts is not supported inside a Slurm allocation yet; run without it "
+            "(a relaunch resumes from the latest checkpoint), or add --over-ssh to launch over SSH",
+            file=sys.stderr,
+        )
+        return exitcodes.CONFIG_ERROR
+    try:
+        configure_access(args)  # vault passwords (trainer.controller.access)
+        cluster = slurm_allocation.guest_cluster(
+            load_cluster(args.inventory), slurm_allocation.allocation_nodes()
+        )
+        plan = plan_from_args(args, cluster)
+    except PlanningError as err:
+        print(f"trainer launch: {err}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    if args.stop:
+        return stop_run(
+            cluster, args.run_name, watch_options(args, plan.runs_bundled_trainer), "trainer launch --stop"
+        )
+    view = LiveView()
+    install_signal_handlers(view)
+    return GuestLaunch(plan, watch_options(args, plan.runs_bundled_trainer), job).run(view, force=args.force)
 
 
 # --- the options and helpers `trainer attach` and `trainer up` share ------------------------------

@@ -18,6 +18,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from trainer import exitcodes
@@ -26,6 +27,9 @@ from trainer.controller.forks import limits as forks_limits
 from trainer.controller.inventory import PlanningError
 from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan
+from trainer.controller.launcher.slurm_allocation import SlurmError
+from trainer.controller.launcher.slurm_runs import node_reports, slurm_launch, step_running
+from trainer.controller.launcher.slurm_steps import SlurmRecord
 from trainer.controller.launcher.status import (
     MALFORMED,
     PLAYBOOKS,
@@ -100,6 +104,12 @@ def run(args: argparse.Namespace) -> int:
     except PlanningError as err:
         print(f"trainer logs: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    if (slurm_run := slurm_launch(plan)) is not None:
+        try:
+            return slurm_logs(plan, slurm_run, pick_nodes(slurm_run.nodes, args.node, plan.run_name), args)
+        except LogsError as err:
+            note(str(err))
+            return exitcodes.CONFIG_ERROR
     # The head first: its launch.json names the launch's nodes (after --exclude-failed, not the
     # inventory's). With -f the watch brings the head's last lines itself.
     record, head_report, problem = read_launch_record(plan, 0 if args.follow else args.lines)
@@ -125,6 +135,27 @@ def run(args: argparse.Namespace) -> int:
         # The reader went away (`| head`): nothing more to say, and nothing to say it on.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return exitcodes.OK
+
+
+def slurm_logs(plan: JobPlan, slurm_run: SlurmRecord, nodes: dict[str, int], args: argparse.Namespace) -> int:
+    """`trainer logs` of a run whose latest launch is a Slurm step (guest.py): the logs read from the
+    shared dir; with -f, new lines until Slurm no longer lists the step (one squeue call per poll)."""
+    printer = LinePrinter(prefixed=args.node is None)
+    offsets: dict[str, int | None] = dict.fromkeys(nodes)
+    try:
+        while True:
+            running = step_running(slurm_run) if args.follow else False
+            for host, report in node_reports(plan, nodes, offsets, running, args.lines).items():
+                printer.lines(host, report.get("lines") or [])
+                offsets[host] = int(report.get("offset") or 0)
+            if not running:
+                return exitcodes.OK
+            time.sleep(1.0)
+    except SlurmError as err:
+        note(str(err))
+        return exitcodes.FAILURE
+    except KeyboardInterrupt:
+        return exitcodes.INTERRUPTED
 
 
 def pick_nodes(launched: dict[str, int], wanted: str | None, run_name: str) -> dict[str, int]:

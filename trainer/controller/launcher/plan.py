@@ -24,7 +24,7 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import Cluster, PlanningError, load_cluster
-from trainer.controller.launcher import command_forms, config_sources
+from trainer.controller.launcher import command_forms, config_sources, slurm_allocation
 from trainer.controller.launcher.topology import AUTO_IFNAME, Node, Topology, build_topology
 from trainer.controller.training_env import (
     IB_AUTO,
@@ -520,6 +520,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "config_file", nargs="?", metavar="CONFIG", help="trainer YAML config on this machine, as --config"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_over_ssh_argument(parser)
+
+
+def add_over_ssh_argument(parser: argparse.ArgumentParser) -> None:
+    """--over-ssh, for `trainer launch` and `trainer plan`."""
+    parser.add_argument(
+        "--over-ssh",
+        action="store_true",
+        help="inside a Slurm allocation (SLURM_JOB_ID set), launch over SSH with Ansible on the inventory's "
+        "hosts as outside one, instead of as a step of the allocation on its nodes (srun)",
+    )
 
 
 def config_from_positional(args: argparse.Namespace) -> str | None:
@@ -664,14 +675,35 @@ def run(args: argparse.Namespace) -> int:
     if problem := config_from_positional(args):
         print(f"trainer plan: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    job = None if args.over_ssh else slurm_allocation.allocation_job()
     try:
         configure_access(args)  # sudo/vault passwords (trainer.controller.access)
-        plan = plan_from_args(args)
+        cluster = None
+        if job is not None:  # `trainer launch` here runs the job on the allocation's nodes
+            cluster = slurm_allocation.guest_cluster(
+                load_cluster(args.inventory), slurm_allocation.allocation_nodes()
+            )
+        plan = plan_from_args(args, cluster)
     except PlanningError as err:
         print(f"trainer plan: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    asked = _slurm_request(plan, job) if job is not None else None
     if args.json:
-        print(json.dumps(plan.as_dict(), indent=2))
-    else:
-        print_plan(plan)
+        print(json.dumps({**plan.as_dict(), **({"slurm": asked} if asked else {})}, indent=2))
+        return exitcodes.OK
+    print_plan(plan)
+    if asked:
+        print(
+            f"Slurm: inside allocation {job}, `trainer launch` runs one step on its {len(asked['nodes'])} "
+            f"node(s), one task each, no SSH: {asked['srun']}"
+        )
     return exitcodes.OK
+
+
+def _slurm_request(plan: JobPlan, job: str) -> dict[str, Any]:
+    """What a launch in allocation `job` asks Slurm for: the step's srun (its name carries the
+    launch id, made at launch)."""
+    hosts = [n.host for n in plan.topology.nodes]
+    script = str(PurePosixPath(plan.launch_dir) / slurm_allocation.STEP_SCRIPT)
+    argv = slurm_allocation.srun_argv(job, hosts, slurm_allocation.step_name("LAUNCH_ID"), script)
+    return {"job": job, "nodes": hosts, "srun": shlex.join(argv)}

@@ -53,6 +53,20 @@ _RUNTIME = {
 }
 
 
+#: Shell lines that set $iface to the interface this node reaches $MASTER_ADDR through (on the head,
+#: the interface holding it): NCCL_SOCKET_IFNAME auto where no probe ran before the start (a batch
+#: job's node.sh, a Slurm step's run.sh: slurm_steps.py).
+IFACE_TOWARD_HEAD = (
+    "iface=$(ip -o route get \"$MASTER_ADDR\" 2>/dev/null | sed -n 's/.* dev \\([^ ]*\\).*/\\1/p')",
+    'if [ -z "$iface" ] || [ "$iface" = lo ]; then',
+    '  iface=$(ip -o addr show | awk -v a="$MASTER_ADDR" '
+    '\'{split($4, p, "/"); sub(/@.*/, "", $2)} p[1] == a {print $2; exit}\')',
+    "fi",
+)
+#: A shell test, true where this node lists InfiniBand/RoCE devices (NCCL_IB_DISABLE auto).
+HAS_IB_DEVICES = f'[ -n "$(ls -A {IB_DEVICES_DIR} 2>/dev/null)" ]'
+
+
 @dataclass(frozen=True)
 class BatchOptions:
     """Scheduler settings that are not part of the job itself (empty = the site's default)."""
@@ -103,18 +117,13 @@ def node_script(plan: JobPlan) -> str:
         lines += [
             "# NCCL_SOCKET_IFNAME auto: the interface this node reaches the head through (on the head,",
             "# the interface holding MASTER_ADDR).",
-            "iface=$(ip -o route get \"$MASTER_ADDR\" 2>/dev/null | sed -n 's/.* dev \\([^ ]*\\).*/\\1/p')",
-            'if [ -z "$iface" ] || [ "$iface" = lo ]; then',
-            '  iface=$(ip -o addr show | awk -v a="$MASTER_ADDR" '
-            '\'{split($4, p, "/"); sub(/@.*/, "", $2)} p[1] == a {print $2; exit}\')',
-            "fi",
+            *IFACE_TOWARD_HEAD,
             'if [ -n "$iface" ]; then export NCCL_SOCKET_IFNAME="=$iface" GLOO_SOCKET_IFNAME="$iface"; fi',
         ]
     if plan.topology.nccl_ib_disable == IB_AUTO:
         lines += [
             f"# NCCL_IB_DISABLE auto: 0 where {IB_DEVICES_DIR} lists InfiniBand/RoCE devices, else 1.",
-            f'if [ -n "$(ls -A {IB_DEVICES_DIR} 2>/dev/null)" ]; then export NCCL_IB_DISABLE=0; '
-            "else export NCCL_IB_DISABLE=1; fi",
+            f"if {HAS_IB_DEVICES}; then export NCCL_IB_DISABLE=0; else export NCCL_IB_DISABLE=1; fi",
         ]
     else:
         lines.append(f"export NCCL_IB_DISABLE={int(plan.topology.nccl_ib_disable)}")

@@ -24,6 +24,9 @@ from trainer.controller.launcher.launch_record import LaunchRecord
 from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state, time_text
+from trainer.controller.launcher.slurm_allocation import SlurmError
+from trainer.controller.launcher.slurm_runs import node_reports, slurm_launch, step_running
+from trainer.controller.launcher.slurm_steps import SlurmRecord
 from trainer.controller.runner import PlaybookResult, run_playbook
 
 PLAYBOOKS = Path(__file__).parent / "playbooks"
@@ -158,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     except PlanningError as err:
         print(f"trainer status: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    if (slurm_run := slurm_launch(plan)) is not None:
+        return slurm_status(plan, slurm_run, args.lines, as_json=args.json)
     record, head_report, problem = read_launch_record(plan, args.lines)
     if record is None:
         say(f"trainer status: {problem}", file=sys.stderr)
@@ -208,3 +213,38 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.paths.history}"
     )
     return exitcodes.OK if all(reports.get(host) for host in nodes) else exitcodes.FAILURE
+
+
+def slurm_status(plan: JobPlan, slurm_run: SlurmRecord, lines: int, *, as_json: bool) -> int:
+    """`trainer status` of a run whose latest launch is a Slurm step (guest.py): the nodes' reports
+    read from the shared dir, the step's state from one squeue call."""
+    try:
+        running: bool | None = step_running(slurm_run)
+    except SlurmError as err:
+        say(f"trainer status: {err}", file=sys.stderr)
+        running = None  # each node's pid, as far as this host can tell
+    offsets: dict[str, int | None] = dict.fromkeys(slurm_run.nodes)
+    reports = node_reports(plan, slurm_run.nodes, offsets, bool(running), lines)
+    info = next(iter(reports.values())).get("info") or {}
+    if as_json:
+        print(json.dumps({"info": info, "slurm": slurm_run.__dict__, "reports": reports}, indent=2))
+        return exitcodes.OK
+    record = LaunchRecord.from_json(info)
+    step = f"Slurm step {slurm_run.step or slurm_run.step_name} of job {slurm_run.job}"
+    state = {True: "running", False: "ended", None: "state unknown"}[running]
+    what = "the bundled trainer" if record.bundled_trainer else "your command"
+    say(
+        f"run {plan.run_name}: launch {slurm_run.launch_id} of {what} on {len(slurm_run.nodes)} node(s) as "
+        f"{step} ({state}), started {time_text(record.launched_at)} by launcher pid "
+        f"{slurm_run.launcher_pid} on {slurm_run.controller}"
+    )
+    for host, report in reports.items():
+        step_text = step_of(report)
+        say(
+            f"[{host}] node {slurm_run.nodes[host]}: {describe_report(report)}"
+            + (f", {step_text}" if step_text else "")
+        )
+        for line in report.get("lines") or []:
+            say(f"    {line}")
+    say(f"each node's full log: {plan.paths.node_log('N')}; launches and stops: {plan.paths.history}")
+    return exitcodes.OK

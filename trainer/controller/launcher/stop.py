@@ -18,6 +18,7 @@ import dataclasses
 import getpass
 import socket
 import sys
+import time
 from typing import Any
 
 from trainer import exitcodes
@@ -28,6 +29,9 @@ from trainer.controller.launcher.launch_record import LaunchRecord
 from trainer.controller.launcher.live import LiveView, node_text, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state
+from trainer.controller.launcher.slurm_allocation import SlurmError
+from trainer.controller.launcher.slurm_runs import request_stop, slurm_launch, step_running
+from trainer.controller.launcher.slurm_steps import SlurmRecord
 from trainer.controller.launcher.status import MALFORMED, read_launch_record
 from trainer.controller.launcher.wire import STOP_TASK, WatchOptions
 from trainer.controller.runner import PlaybookResult
@@ -73,6 +77,8 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
     view = LiveView()
     try:
         plan = make_plan(cluster, run_name=run_name)
+        if (slurm_run := slurm_launch(plan)) is not None:
+            return stop_slurm_run(plan, slurm_run, options, verb)
         record, head_report, problem = read_launch_record(plan)
         if record is not None and record.nodes is None:
             # A stop goes on whatever the head's records say: every node of the inventory.
@@ -100,6 +106,31 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
             "once)"
         )
     return exitcodes.OK if result.succeeded else exitcodes.FAILURE
+
+
+def stop_slurm_run(plan: JobPlan, record: SlurmRecord, options: WatchOptions, verb: str) -> int:
+    """Stop a run whose latest launch is a Slurm step (guest.py): scancel of the step, after marking
+    its nodes stop-requested; back once Slurm no longer lists the step (or after the stop grace and a
+    minute more)."""
+    try:
+        cancelled = request_stop(plan, record, stop_record(None, verb))
+        deadline = time.monotonic() + options.stop_grace_s + 60.0
+        while cancelled and step_running(record) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        still = cancelled and step_running(record)
+    except SlurmError as err:
+        print(f"{verb}: run {plan.run_name}: {printable(str(err))}", file=sys.stderr)
+        return exitcodes.FAILURE
+    step = f"Slurm step {record.step or record.step_name} of job {record.job}"
+    nodes = ", ".join(sorted(record.nodes, key=lambda host: record.nodes[host]))
+    if not cancelled:
+        print(f"run {plan.run_name}: its {step} is not running; nothing to stop")
+    elif still:
+        print(f"{verb}: run {plan.run_name}: the {step} was cancelled but still runs; see squeue --steps")
+        return exitcodes.FAILURE
+    else:
+        print(f"run {plan.run_name}: stopped its {step} on {nodes} (scancel)")
+    return exitcodes.OK
 
 
 def launched_plan(cluster: Cluster, run_name: str, nodes: dict[str, int]) -> JobPlan:

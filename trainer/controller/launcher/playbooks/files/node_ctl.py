@@ -227,14 +227,14 @@ def rank_exits(node_dir: Path) -> list[dict]:
     return sorted(found, key=lambda r: int(r["rank"]))
 
 
-def _state(node_dir: Path) -> tuple[str, int | None, dict | None]:
+def _state(node_dir: Path, alive: bool | None = None) -> tuple[str, int | None, dict | None]:
     pid = _pid(node_dir)
     exit_record = _read_json(node_dir / "exit")
     if exit_record is not None:
         state = "exited"
     elif pid is None:
         state = "starting" if (node_dir / "launch-id").exists() else "none"
-    elif _alive(pid) or tagged_pids(node_dir):
+    elif alive if alive is not None else (_alive(pid) or tagged_pids(node_dir)):
         state = "running"
     else:
         # Gone without run.sh writing its exit record: the whole process group was killed.
@@ -276,13 +276,20 @@ def rank_errors(node_dir: Path) -> list[dict]:
 
 
 def status(
-    node_dir: Path, offset: int | None = None, tail: int = 0, wait: float = 0.0, quiet: bool = False
+    node_dir: Path,
+    offset: int | None = None,
+    tail: int = 0,
+    wait: float = 0.0,
+    quiet: bool = False,
+    alive: bool | None = None,
 ) -> dict:
     """The node's report. With an offset and `wait`, a long poll: it returns as soon as the log grew
     or the trainer ended, at the latest after `wait` seconds. `quiet`: a node whose lines nobody
     watches live (a worker; the launcher shows rank 0's): only its trainer's end cuts the wait short,
     and of a backlog longer than a chunk only the last chunk is read (its last lines are what a
-    failure report shows), so following it costs one round trip per `wait`."""
+    failure report shows), so following it costs one round trip per `wait`. `alive`: whether run.sh
+    still runs, when the caller knows better than this host's process table (a Slurm step read from
+    the shared dir on another host: the pid is the node's, so Slurm says whether the step runs)."""
     deadline = time.monotonic() + wait
     if quiet and offset is not None:
         offset = _skip_to_last_chunk(node_dir, offset)
@@ -295,7 +302,7 @@ def status(
             if pid is not None and not _alive(pid):
                 break
             time.sleep(WAIT_STEP_S)
-    state, pid, exit_record = _state(node_dir)
+    state, pid, exit_record = _state(node_dir, alive)
     lines, next_offset = read_log(node_dir, offset, tail)
     info = _read_json(node_dir / "launch.json")
     return {
