@@ -32,6 +32,7 @@ import pytest
 import yaml
 from helpers.simulated_nodes import NEEDS_NETNS, netns_nodes
 from helpers.testbed_nodes import LauncherOutput, own_like
+from helpers.trainer_harness import finish, start_run
 
 pytestmark = NEEDS_NETNS
 VICTIM = 2
@@ -195,3 +196,70 @@ def test_a_killed_worker_node_is_left_out_and_the_survivors_finish_like_a_run_st
     assert more.finish(timeout=1500) == 0, more.text()[-4000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_step"] == 44 and summary["world_size"] == 3, summary
+
+
+def test_a_killed_node_that_comes_back_rejoins_the_run_at_a_checkpoint(cluster, tmp_path):
+    """The comeback (issue 39): n02 killed mid-run is left out and the run goes on at 2 nodes; once its
+    link is up again (its sshd answers) it passes its probe and the run grows back to 3 nodes at its
+    next checkpoint, without a restart, and ends as an uninterrupted run does (the loss within the
+    resize tests' tolerance: a 1-process run of the same config and effective batch)."""
+    victim = cluster.hosts[VICTIM]
+    run_name = f"rejoin-{uuid.uuid4().hex[:6]}"
+    run = cluster.shared / "runs" / run_name
+    sets = (*SETS, "model.dropout=0")
+    options = ("--max-restarts", "2", "--exclude-failed", "--rejoin-probe-interval", "3")
+    launcher = LauncherOutput.start(launch(inventory_for(cluster, tmp_path), run_name, *options, sets=sets))
+    try:
+        assert launcher.wait_for(r"^step (1[2-9])/40", timeout=900) is not None, launcher.text()[-4000:]
+        with lost_node(cluster, VICTIM):
+            lost = rf"restart 1 of 2: {victim} lost at step \d+; resuming on 2 nodes"
+            shrunk = launcher.wait_for(lost, 600)
+            assert shrunk is not None, launcher.text()[-4000:]
+            on_two = launcher.wait_for(r"^step \d+/40", 600, since=shrunk[0])
+            assert on_two is not None, launcher.text()[-4000:]
+        back_at = time.monotonic()  # its link up: the node answers again
+        code = launcher.finish(timeout=900)
+        out = launcher.text()
+    finally:
+        if launcher.proc.poll() is None:
+            launcher.finish(timeout=1)
+    assert code == 0, out
+    grown = re.search(
+        rf"^{victim} is back: growing to 3 nodes from (step-\d+) \((micro batch \d+ -> \d+, )?accumulation "
+        r"\d+ -> 1, effective batch "
+        r"(\d+) kept\); no restart used$",
+        out,
+        re.MULTILINE,
+    )
+    assert grown, out
+    assert "restart 2 of 2" not in out, "growing back used no restart"
+    records = history(run)
+    restarts = [r for r in records if r["event"] == "restart"]
+    assert [r["restart"] for r in restarts] == [1] and restarts[0]["restart_used"], restarts
+    rejoin = next(r for r in records if r["event"] == "rejoin")
+    assert rejoin["why"] == "rejoin" and rejoin["rejoined"] == [victim] and rejoin["restart"] == 1, rejoin
+    assert rejoin["resume_from"].endswith(grown.group(1)) and victim in rejoin["nodes"], rejoin
+    assert rejoin["gradient_accumulation_steps"] == 1, "the user's own batch split again"
+    assert any(r["event"] == "stopped" and r["why"] == "rejoin" for r in records), records
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_step"] == 40 and summary["world_size"] == 3 and summary["num_nodes"] == 3, summary
+    assert summary["resumed_from"].endswith(grown.group(1)), summary
+    index = next(i for i, line in enumerate(launcher.lines) if " is back: growing to 3 nodes" in line.text)
+    first = next(line for line in launcher.lines[index:] if re.match(r"^step \d+/40", line.text))
+    print(f"rejoin: from the node's return to the first step on 3 nodes: {first.at - back_at:.1f} s")
+
+    # The uninterrupted run: the launch's own config (the user's batch split) on 3 local processes,
+    # which reduce their gradients in the same order as the 3 nodes; steps 11-15 ran on 2 in between.
+    reference = tmp_path / "reference"
+    straight = finish(start_run(reference, [], nproc=3, config=run / "launch" / "config.yaml"), reference)
+    assert straight.returncode == 0, straight.stderr[-4000:]
+    ours = {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    theirs = {m["step"]: m["loss"] for m in straight.metrics}
+    differences = {step: abs(ours[step] - theirs[step]) / theirs[step] for step in theirs}
+    expected = straight.json("summary.json")["final_loss"]
+    print(f"rejoin: final loss {summary['final_loss']} vs uninterrupted {expected}")
+    print(
+        "rejoin: relative loss difference by step: "
+        + " ".join(f"{s}:{d:.1e}" for s, d in differences.items())
+    )
+    assert summary["final_loss"] == pytest.approx(expected, rel=1e-5)

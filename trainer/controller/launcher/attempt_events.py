@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from trainer.controller.launcher.live import JobMonitor, LiveView
 from trainer.controller.launcher.runlock import LOCK_TASK, RELEASE_TASK, RunLock
@@ -21,6 +21,12 @@ from trainer.controller.launcher.wire import LAUNCH_TASK, WATCH_TASK
 from trainer.controller.runner import with_known_fix
 
 FAILED_EVENTS = ("runner_on_failed", "runner_on_unreachable")
+
+
+class GrowWatch(Protocol):
+    """rejoin.Rejoin as the attempt sees it: whether to end now, at a checkpoint, to grow back."""
+
+    def due(self, monitor: JobMonitor) -> bool: ...
 
 
 def start_word(probes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -99,9 +105,13 @@ class FollowEvents:
     """The handlers of a playbook that follows the nodes (watch.yml): the monitor judges the nodes
     from their reports, and the playbook is ended once it says every node must be stopped."""
 
-    def __init__(self, monitor: JobMonitor, lock: RunLock) -> None:
+    def __init__(self, monitor: JobMonitor, lock: RunLock, grow: GrowWatch | None = None) -> None:
         self.monitor = monitor
         self.lock = lock
+        #: Asked on every message and tick while nothing failed: end the attempt to grow back (rejoin.py).
+        self.grow = grow
+        #: The attempt ends to grow back: rank 0 announced a complete checkpoint after a node came back.
+        self.growing = False
         #: Set to end the playbook (runner.py's cancel).
         self.cancel = threading.Event()
         #: The holders of the run's lock that refused it to this launcher.
@@ -129,7 +139,12 @@ class FollowEvents:
         self._end_if_due()
 
     def must_end(self) -> bool:
-        return self.monitor.must_stop
+        return self.monitor.must_stop or self._grow_due()
+
+    def _grow_due(self) -> bool:
+        if not self.growing and self.grow is not None and not self.monitor.failed:
+            self.growing = self.grow.due(self.monitor)
+        return self.growing
 
     def _end_if_due(self) -> None:
         if self.must_end():
@@ -168,8 +183,9 @@ class StartEvents(FollowEvents):
         view: LiveView,
         head: str,
         become: dict[str, bool],
+        grow: GrowWatch | None = None,
     ) -> None:
-        super().__init__(monitor, lock)
+        super().__init__(monitor, lock, grow)
         self.handshake = handshake
         self.view = view
         self.head = head
@@ -205,7 +221,7 @@ class StartEvents(FollowEvents):
         # Before every node started or failed to, a failure is judged when the starts end (a stop now
         # could reach a node before its start does).
         starts_done = len(self.started | self.start_ended) >= len(self.handshake.hosts)
-        return bool(self.monitor.must_stop or self.start_ended) and starts_done
+        return starts_done and bool(self.monitor.must_stop or self.start_ended or self._grow_due())
 
     def _probed(self, message: dict[str, Any]) -> None:
         host, answer = str(message.get("host")), message.get("answer") or {}

@@ -190,7 +190,8 @@ class Outcome:
     code: int
     """The cause's own exit code (failure.Diagnosis.code), 0 when done."""
     kind: str
-    """done | failed | interrupted | stopped (by `trainer stop`) | locked | start_failed | watch_failed"""
+    """done | failed | interrupted | stopped (by `trainer stop`) | locked | start_failed | watch_failed |
+    rejoin (stopped at a checkpoint to grow back to nodes left out: rejoin.py)"""
     hosts: list[str] = field(default_factory=list)
     """The hosts to blame (the cause's host; a stall's hosts that were behind)."""
     reason: str = ""

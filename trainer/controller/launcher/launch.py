@@ -39,7 +39,13 @@ import uuid
 from typing import Any
 
 from trainer import exitcodes
-from trainer.controller.launcher.attempt_events import FollowEvents, StartEvents, StartHandshake, StepFailure
+from trainer.controller.launcher.attempt_events import (
+    FollowEvents,
+    GrowWatch,
+    StartEvents,
+    StartHandshake,
+    StepFailure,
+)
 from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
 from trainer.controller.launcher.launch_record import LaunchRecord, RestartState
 from trainer.controller.launcher.launchfiles import launch_files
@@ -293,18 +299,22 @@ class Launcher:
         policy: RestartState | None = None,
         final: bool = True,
         leave_lost: bool = False,
+        grow: GrowWatch | None = None,
     ) -> Outcome:
         """Start the job on every node and follow it until it ends, fails or stalls. `record`: the
         history record the start writes (a launch, a restart); `policy`: the restart policy's state,
         for launch.json; `final`: no restart can follow, so the stop releases the run's lock;
         `leave_lost`: the next attempt goes on without a lost node, so its stop does not wait for it
-        (a vanished node's connection would only time out), else it is tried like any other."""
+        (a vanished node's connection would only time out), else it is tried like any other; `grow`:
+        asked whether to end the attempt at a checkpoint, a node left out being back (rejoin.py)."""
         self.policy = policy
         self.attempt_number += 1
         monitor = self.monitor(view)
         view.states(monitor.ordered)
         handshake = StartHandshake(self.hosts, on_word=lambda word: self._say_transport(view, word))
-        events = StartEvents(monitor, self.lock, handshake, view, self.plan.topology.head.host, self.become)
+        events = StartEvents(
+            monitor, self.lock, handshake, view, self.plan.topology.head.host, self.become, grow
+        )
         self._say_launching(view)
         extravars = self._start_vars(record)
         return self._play("start.yml", extravars, events, view, final=final, leave_lost=leave_lost)
@@ -432,6 +442,8 @@ class Launcher:
                 f"output in {plan.output_dir}"
             )
             return Outcome(exitcodes.OK, "done")
+        if events.growing and not monitor.failed:
+            return self._stop_to_grow(monitor, view)
         stopped = [hs.host for hs in monitor.ordered if hs.state == "stopped"]
         if stopped and not any(hs.failed and not hs.only_consequence for hs in monitor.ordered):
             # This launcher has stopped nothing yet: `trainer stop` (or another follower's stop) did,
@@ -443,6 +455,28 @@ class Launcher:
             )
             return Outcome(INTERRUPTED, "stopped", [], "stopped by trainer stop")
         return None
+
+    def _stop_to_grow(self, monitor: JobMonitor, view: LiveView) -> Outcome:
+        """A node left out is back and rank 0 announced a complete checkpoint: stop every node (the
+        checkpoint stays whole: `latest` names it, and a later save replaces it atomically), so that the
+        next attempt resumes from it on all the nodes (restarts.py). Outcome `rejoin`, with the latest
+        checkpoint the head reports."""
+        view.message(
+            f"stopping run {self.plan.run_name} after its checkpoint "
+            f"{node_text(monitor.last_checkpoint.rsplit('/', 1)[-1])} to grow back"
+        )
+        stopped = self.stop(monitor, record=self._stop_record(None, "rejoin", monitor.last_checkpoint))
+        view.states(monitor.ordered)
+        self._report_stop_problems(stopped, view)
+        head = stopped.task_result(self.plan.topology.head.host, STOP_TASK)
+        latest = str((head.result if head is not None else {}).get("latest_checkpoint") or "")
+        return Outcome(
+            exitcodes.OK,
+            "rejoin",
+            [],
+            "grow back at a checkpoint",
+            latest_checkpoint=latest or monitor.last_checkpoint,
+        )
 
     def _stop_failed(
         self, monitor: JobMonitor, result: PlaybookResult, view: LiveView, *, final: bool, leave_lost: bool

@@ -28,6 +28,7 @@ from trainer.controller.launcher.plan import (
     add_over_ssh_argument,
     plan_from_args,
 )
+from trainer.controller.launcher.rejoin import REJOIN_PROBE_S, Rejoin
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.stall import STALL_FLOOR_S, STALL_STEP_FACTOR
 from trainer.controller.launcher.stop import stop_run
@@ -105,9 +106,13 @@ def run(args: argparse.Namespace) -> int:
         if problem := follow_problem(plan.topology.nnodes):
             print(f"trainer launch: {problem}", file=sys.stderr)
             return exitcodes.CONFIG_ERROR
-        launcher = Launcher(plan, watch_options(args, plan.runs_bundled_trainer), prestarted=early)
+        options = watch_options(args, plan.runs_bundled_trainer)
+        launcher = Launcher(plan, options, prestarted=early)
         view = LiveView()
         install_signal_handlers(view)
+        rejoin = None
+        if not args.no_rejoin:
+            rejoin = Rejoin(plan, options, view, interval_s=args.rejoin_probe_interval)
         policy = RestartPolicy(
             launcher,
             view,
@@ -116,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             allow_batch_change=args.allow_batch_change,
             replan=replanner(args, cluster),
             inventory=str(args.inventory),
+            rejoin=rejoin,
         )
         return policy.run(force=args.force)
     finally:
@@ -258,6 +264,22 @@ def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --exclude-failed: when the remaining processes cannot divide the effective batch, go on "
         "with the nearest one instead of stopping",
     )
+    parser.add_argument(
+        "--no-rejoin",
+        action="store_true",
+        help="with --exclude-failed: a node left out stays out until the run ends. By default the nodes "
+        "left out are probed while the job goes on without them, and one that answers its probe again "
+        "(the start's own checks) is taken back at the bundled trainer's next checkpoint: the job stops "
+        "there and starts again on all the nodes with your batch split, which uses no restart",
+    )
+    parser.add_argument(
+        "--rejoin-probe-interval",
+        type=float,
+        default=REJOIN_PROBE_S,
+        metavar="S",
+        help="with --exclude-failed: seconds between two probes of the nodes left out (one Ansible run for "
+        f"all of them) (default: {REJOIN_PROBE_S:g})",
+    )
 
 
 def prestart(args: argparse.Namespace) -> PrestartedRun | None:
@@ -285,6 +307,10 @@ def option_problem(args: argparse.Namespace) -> str | None:
         return "--exclude-failed needs --max-restarts K (K >= 1)"
     if args.allow_batch_change and not args.exclude_failed:
         return "--allow-batch-change needs --exclude-failed"
+    if args.no_rejoin and not args.exclude_failed:
+        return "--no-rejoin needs --exclude-failed (without it no node is left out to come back)"
+    if not args.rejoin_probe_interval > 0:
+        return f"--rejoin-probe-interval must be more than 0 seconds (got {args.rejoin_probe_interval:g})"
     return None
 
 

@@ -37,6 +37,9 @@ from trainer.controller.launcher.world import WorldCheck
 from trainer.peer_loss import is_peer_loss
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)")
+#: The bundled trainer's word that a checkpoint is complete (trainer.node.loop.Trainer._save): printed by
+#: rank 0 once `latest` names it, so a stop after this line leaves that checkpoint whole to resume from.
+CHECKPOINT_LINE = re.compile(r"^checkpoint (\S*/step-(\d+))\s*$")
 #: The job's throughput in the bundled trainer's step line (trainer.node.metrics.step_line).
 STEP_TOKENS_PER_S = re.compile(r"\btok/s ([\d,]+)")
 GPU_FAULT_LINE = re.compile(
@@ -414,6 +417,9 @@ class JobMonitor:
         #: The last step rank 0 logged (`step N/M`).
         self.last_step: int | None = None
         self.first_step_at: float | None = None
+        #: How many complete checkpoints rank 0 announced in this attempt, and the last one's path.
+        self.checkpoints_seen = 0
+        self.last_checkpoint = ""
         self.failed_at: float | None = None
         self.stall: Stall | None = None
         self.stalled_at: float | None = None
@@ -512,6 +518,9 @@ class JobMonitor:
                     self.last_step = int(match.group(1))
                     if self.first_step_at is None:
                         self.first_step_at = time.time()
+                elif saved := CHECKPOINT_LINE.match(line):
+                    self.checkpoints_seen += 1
+                    self.last_checkpoint = saved.group(1)
         if hs.final and hs.state != "stopped":
             return
         state = report.get("state")

@@ -17,6 +17,10 @@ After a failed attempt, in this order:
    stops saying so;
 4. a probe failure at a restart is a node loss to leave out, not a failure that uses up a restart;
 5. otherwise a restart is used, up to K.
+With --exclude-failed the nodes left out are probed while the job goes on without them (rejoin.py);
+one that is back is taken in at the next checkpoint: the attempt stops there and the next starts on
+all the nodes at the user's own batch split, which uses no restart (`--no-rejoin`: never). A node
+whose start fails at its rejoin is left out again, without a restart, and not probed again.
 Every restart is a line on the screen and a record in `<run>/launch/history.jsonl`, naming the cause,
 what changed and the checkpoint it resumes from. A node left out is used again at the next
 `trainer launch` of the run (the plan is made from the inventory each time).
@@ -35,6 +39,7 @@ from trainer.controller.launcher.failure import Outcome
 from trainer.controller.launcher.launch_record import RestartState
 from trainer.controller.launcher.live import node_text
 from trainer.controller.launcher.plan import JobPlan
+from trainer.controller.launcher.rejoin import Rejoin
 
 if TYPE_CHECKING:
     from trainer.controller.launcher.live import LiveView
@@ -86,6 +91,7 @@ class Attempts(Protocol):
         policy: RestartState | None = None,
         final: bool = True,
         leave_lost: bool = False,
+        grow: Rejoin | None = None,
     ) -> Outcome: ...
 
     def use_plan(self, plan: JobPlan) -> None: ...
@@ -111,6 +117,7 @@ class RestartPolicy:
         replan: Replan | None = None,
         restarts_used: int = 0,
         inventory: str = "INVENTORY",
+        rejoin: Rejoin | None = None,
     ) -> None:
         self.launcher = launcher
         self.view = view
@@ -125,6 +132,14 @@ class RestartPolicy:
         #: The latest complete checkpoint the head reported (kept across attempts whose stop could not
         #: ask it, such as a probe that failed).
         self.latest_checkpoint = ""
+        #: Takes nodes left out back in (rejoin.py); None with --no-rejoin, without --exclude-failed, and
+        #: for your own command (no checkpoint the launcher can see).
+        self.rejoin = rejoin if self.exclude_failed and launcher.plan.runs_bundled_trainer else None
+        #: The plan before any node was left out: the user's nodes and batch split, grown back to.
+        self.full_plan = launcher.plan
+        #: Times the run grew back (counted apart from the restarts), and the hosts the last one took in.
+        self.rejoins = 0
+        self.rejoining: list[str] = []
 
     def state(self) -> RestartState:
         """What launch.json records of the policy (`trainer attach` goes on with it)."""
@@ -167,15 +182,11 @@ class RestartPolicy:
         while True:
             outcome, first = first, None
             if outcome is None:
-                final = self.restarts >= self.max_restarts
-                outcome = self.launcher.attempt(
-                    self.view,
-                    record,
-                    policy=self.state(),
-                    final=final,
-                    leave_lost=self.exclude_failed and not final,
-                )
+                outcome = self._attempt(record)
             self.latest_checkpoint = outcome.latest_checkpoint or self.latest_checkpoint
+            if outcome.kind == "rejoin":
+                record = self._grow_back()
+                continue
             if outcome.code in (exitcodes.OK, exitcodes.INTERRUPTED) or outcome.kind == "locked":
                 return outcome.code
             step = self._next_step(outcome)
@@ -183,8 +194,27 @@ class RestartPolicy:
                 return outcome.code
             record = step
 
+    def _attempt(self, record: dict[str, Any]) -> Outcome:
+        """One attempt; the nodes left out probed meanwhile where they may come back."""
+        final = self.restarts >= self.max_restarts
+        grow = self.rejoin.watch(self.excluded) if self.rejoin is not None else None
+        try:
+            return self.launcher.attempt(
+                self.view,
+                record,
+                policy=self.state(),
+                final=final,
+                leave_lost=self.exclude_failed and not final,
+                grow=grow,
+            )
+        finally:
+            if self.rejoin is not None:
+                self.rejoin.stop_probe()
+
     def _next_step(self, outcome: Outcome) -> dict[str, Any] | None:
         """Decide on a failed attempt: the next attempt's history record, or None to stop here."""
+        if (again := self._rejoin_failed(outcome)) is not None:
+            return again or None
         view, plan = self.view, self.plan
         head = plan.topology.head.host
         diagnosis = outcome.diagnosis
@@ -258,6 +288,104 @@ class RestartPolicy:
                 self.plan.gradient_accumulation_steps if self.plan.runs_bundled_trainer else None
             ),
             "restart_used": not free,
+            "nodes": self._nodes(),
+        }
+
+    # --- growing back (rejoin.py) ---------------------------------------------------------------------
+
+    def _grow_back(self) -> dict[str, Any]:
+        """The attempt stopped at a checkpoint, nodes left out being back: the next attempt's plan with
+        them (the user's batch split where no node is left out any more), the line, its history record."""
+        assert self.rejoin is not None and self.replan is not None
+        back = self.rejoin.hosts_back()
+        self.rejoin.taken_in(back)
+        still_out = self.excluded - set(back)
+        full = self.full_plan
+        world = full.topology.world_size - len(still_out) * full.topology.gpus_per_node
+        split = keep_batch(self.plan.effective_batch_size, full.micro_batch_size, world)
+        overrides = (
+            [
+                f"train.micro_batch_size={split.micro_batch_size}",
+                f"train.gradient_accumulation_steps={split.accumulation}",
+            ]
+            if still_out and split is not None
+            else []
+        )
+        old = self.plan
+        self.launcher.use_plan(self.replan(still_out, overrides))
+        self.excluded, self.rejoining = still_out, back
+        self.rejoins += 1
+        self.launcher.new_launch()
+        plan = self.plan
+        batch = f"accumulation {old.gradient_accumulation_steps} -> {plan.gradient_accumulation_steps}"
+        if old.micro_batch_size != plan.micro_batch_size:
+            batch = f"micro batch {old.micro_batch_size} -> {plan.micro_batch_size}, {batch}"
+        batch += f", effective batch {plan.effective_batch_size}" + (
+            " kept" if plan.effective_batch_size == old.effective_batch_size else " (yours again)"
+        )
+        nodes = plan.topology.nnodes
+        self.view.message(
+            f"[green]{', '.join(back)} {'is' if len(back) == 1 else 'are'} back[/green]: growing to {nodes} "
+            f"nodes from {self._checkpoint_name() or 'the beginning'} ({batch}); no restart used"
+        )
+        return {
+            "event": "rejoin",
+            "why": "rejoin",
+            "reason": f"{', '.join(back)} back: growing to {nodes} nodes",
+            "rejoin": self.rejoins,
+            "rejoined": back,
+            "restart": self.restarts,
+            "max_restarts": self.max_restarts,
+            "excluded": sorted(self.excluded),
+            "resume_from": self.latest_checkpoint,
+            "changes": f"{old.topology.nnodes} -> {nodes} nodes, world size {old.topology.world_size} -> "
+            f"{plan.topology.world_size}",
+            "batch": batch,
+            "micro_batch_size": plan.micro_batch_size,
+            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+            "restart_used": False,
+            "nodes": self._nodes(),
+        }
+
+    def _rejoin_failed(self, outcome: Outcome) -> dict[str, Any] | None:
+        """The attempt that took nodes back failed at their start: they are left out again (no restart
+        used) and never probed again in this launch, so a node that answers its probe but cannot start
+        does not loop. The next attempt's record; {} to stop here; None when this is not that case."""
+        rejoined = set(self.rejoining)
+        self.rejoining = []
+        failed = set(outcome.hosts) | set(outcome.lost)
+        if not rejoined or outcome.kind != "start_failed" or not failed or not failed <= rejoined:
+            return None
+        assert self.rejoin is not None
+        hosts = sorted(failed, key=self._hosts().index)
+        self.rejoin.given_up |= failed
+        changed = self._leave_out(hosts, [])
+        if changed is None:
+            return {}
+        changes, batch = changed
+        self.launcher.new_launch()
+        self.view.message(
+            f"[yellow]{', '.join(hosts)} could not start at its rejoin[/yellow] "
+            f"({node_text(outcome.reason)}): left out again and not probed again in this launch; resuming "
+            f"on {self.plan.topology.nnodes} nodes from {self._checkpoint_name() or 'the beginning'} "
+            f"({batch}); no restart used"
+        )
+        return {
+            "event": "restart",
+            "restart": self.restarts,
+            "max_restarts": self.max_restarts,
+            "reason": outcome.reason,
+            "cause": None,
+            "failed_hosts": outcome.hosts,
+            "lost": list(outcome.lost),
+            "excluded": sorted(self.excluded),
+            "resume_from": self.latest_checkpoint,
+            "changes": changes,
+            "batch": batch,
+            "micro_batch_size": self.plan.micro_batch_size,
+            "gradient_accumulation_steps": self.plan.gradient_accumulation_steps,
+            "restart_used": False,
+            "rejoin_failed": hosts,
             "nodes": self._nodes(),
         }
 

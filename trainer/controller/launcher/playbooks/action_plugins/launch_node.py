@@ -2,7 +2,7 @@
 
     - name: Read the node's state
       launch_node:
-        op: status           # launch | lock | check | status | watch | stop | pids | whoami
+        op: status           # launch | probe | lock | check | status | watch | stop | pids | whoami
         python: /srv/venv/bin/python
         request: {...}       # the JSON request for files/node_ctl.py (see its docstring)
         call: {...}          # or: request, timeout_s, secret, follow in one value (the launcher's)
@@ -143,6 +143,9 @@ class ActionModule(ActionBase):
         self._sudoable = True
         if op == "launch":
             return {**result, **self._launch(args)}
+        if op == "probe":
+            probed = self._probe_only(args["python"], {**request, "venv": args["venv"]}, timeout_s)
+            return {**result, **probed}
         try:
             if op == "whoami":
                 result["user"] = self._whoami(timeout_s)
@@ -242,6 +245,27 @@ class ActionModule(ActionBase):
             return {"failed": True, "phase": "probe", "msg": "the launcher stopped listening (the start)"}
         finally:
             channel.close()
+
+    def _probe_only(self, python: str, request: dict, timeout_s: float) -> dict:
+        """The start's probe alone (probe.yml: a node left out, probed while the job runs without it):
+        its answer, failed with the start's own problem text where the node could not start now."""
+        try:
+            answer = self._probe(python, request, timeout_s)
+        except NodeError as err:
+            return self._failed(
+                "probe",
+                NodeError(
+                    err.rc,
+                    f"the trainer's venv {request['venv']} on {self._hostname} cannot run its python "
+                    f"({err.text[-200:] or f'exit code {err.rc}'}): install the trainer there "
+                    "(make provision) or fix training_venv",
+                ),
+            )
+        except (NoAnswer, AnsibleError) as err:
+            return self._failed("probe", err)
+        if problem := self._probe_problem(request, answer):
+            return {**answer, "failed": True, "phase": "probe", "msg": problem}
+        return {**answer, "phase": "probe"}
 
     def _failed(self, phase: str, err: Exception) -> dict:
         """A `launch` that failed at `phase` (probe or start: the launcher reads it), worded as before:
