@@ -12,6 +12,7 @@ argument of its own; node names are checked against a host name's characters.
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
 import shlex
@@ -96,9 +97,17 @@ def _ipv4(address: str) -> str:
 
 def guest_cluster(cluster: Cluster, nodes: list[SlurmNode], env: Mapping[str, str] = os.environ) -> Cluster:
     """The inventory's job settings (its head's variables: shared dir, venv, port, training_env, ...)
-    on the allocation's nodes instead of the inventory's hosts. With GPUs in the allocation
+    on the allocation's nodes instead of the inventory's hosts; a cluster_training_user other than
+    this account is refused (the step runs as the allocation's owner). With GPUs in the allocation
     (SLURM_GPUS_ON_NODE), they are the nodes' accelerators; processes per node stay the inventory's
     training_procs_per_node when it sets them, else one per GPU."""
+    user = str(cluster.head.get("cluster_training_user") or "")
+    if user and user != getpass.getuser():
+        # srun starts the step as the allocation's owner: no become, no other account.
+        raise SlurmError(
+            f"the inventory's cluster_training_user is {user}, but a Slurm step runs as the allocation's "
+            f"owner ({getpass.getuser()}): run salloc/sbatch as {user}, or add --over-ssh to launch over SSH"
+        )
     common = {key: value for key, value in cluster.head.vars.items() if key not in HOST_ONLY}
     gpus = as_int(env.get("SLURM_GPUS_ON_NODE") or 0) or 0
     if gpus > 0:

@@ -10,6 +10,7 @@ cancels the step with scancel.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
 from pathlib import Path
@@ -23,8 +24,10 @@ from trainer.controller.launcher.slurm_steps import SlurmRecord
 NODE_CTL_PATH = Path(__file__).resolve().parent / "playbooks" / "files" / "node_ctl.py"
 
 
+@functools.cache
 def node_helper() -> ModuleType:
-    """node_ctl.py, the nodes' helper, as a module of this process (it is standard library only)."""
+    """node_ctl.py, the nodes' helper, as a module of this process (it is standard library only);
+    loaded once, not at every poll."""
     spec = importlib.util.spec_from_file_location("clustertrain_node_ctl", NODE_CTL_PATH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
