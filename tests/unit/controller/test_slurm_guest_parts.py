@@ -57,7 +57,9 @@ def test_the_steps_scripts_are_valid_bash_with_the_probe_values_found_on_the_nod
     (tmp_path / "run.sh").write_text(run_sh)
     assert subprocess.run(["bash", "-n", str(tmp_path / "run.sh")], capture_output=True).returncode == 0
     # The resolver finds an interface toward the head; here the head is this machine's loopback.
-    resolver = run_sh.split("set -u\n", 1)[1].split("\nexport ", 1)[0]
+    resolver = (
+        "clustertrain_iface() {" + run_sh.split("clustertrain_iface() {", 1)[1].split("\n}\n", 1)[0] + "\n}"
+    )
     found = subprocess.run(
         ["bash", "-c", resolver + "\nMASTER_ADDR=127.0.0.1 clustertrain_iface"],
         capture_output=True,
