@@ -247,9 +247,16 @@ def test_a_killed_node_that_comes_back_rejoins_the_run_at_a_checkpoint(cluster, 
     index = next(i for i, line in enumerate(launcher.lines) if " is back: growing to 3 nodes" in line.text)
     first = next(line for line in launcher.lines[index:] if re.match(r"^step \d+/40", line.text))
     print(f"rejoin: from the node's return to the first step on 3 nodes: {first.at - back_at:.1f} s")
+    # Where the time went: each phase's line in order after the shrink, from the node's return.
+    at, times = shrunk[0], []
+    for phase in ("answers its probe again", "to grow back", " is back: growing", "Launching run"):
+        at = next(i for i in range(at, len(launcher.lines)) if phase in launcher.lines[i].text)
+        times.append(f"{phase.strip()!r} +{launcher.lines[at].at - back_at:.1f} s")
+    print("rejoin: " + ", ".join(times))
 
     # The uninterrupted run: the launch's own config (the user's batch split) on 3 local processes,
-    # which reduce their gradients in the same order as the 3 nodes; steps 11-15 ran on 2 in between.
+    # which reduce their gradients in the same order as the 3 nodes (the steps between the loss and the
+    # rejoin ran on 2).
     reference = tmp_path / "reference"
     straight = finish(start_run(reference, [], nproc=3, config=run / "launch" / "config.yaml"), reference)
     assert straight.returncode == 0, straight.stderr[-4000:]
