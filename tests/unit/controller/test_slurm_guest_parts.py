@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import getpass
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from helpers.plan_inventory import three_nodes
@@ -94,3 +96,17 @@ def test_slurm_json_names_the_run_only_while_it_is_the_heads_latest_launch(tmp_p
     # A later launch of the run over SSH: its launch id is another; status reads the nodes over SSH.
     (head / "launch-id").write_text("guest-2\n")
     assert slurm_launch(plan) is None
+
+
+def test_attach_to_a_slurm_run_says_which_commands_follow_it(tmp_path):
+    plan = allocation_plan(tmp_path, cluster_shared_dir=str(tmp_path / "shared"))
+    (Path(plan.launch_dir) / "node-0").mkdir(parents=True)
+    SlurmRecord(job="41", step="41.0", launch_id="guest-1", nodes={"gpu-a17": 0}).write(plan.launch_dir)
+    (Path(plan.launch_dir) / "node-0" / "launch-id").write_text("guest-1\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "attach", "-i", str(tmp_path / "inventory"), "--run-name", "guest"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "latest launch is Slurm step 41.0 of job 41, which attach does not follow yet" in done.stderr
+    assert "`trainer logs -f` and `trainer status`" in done.stderr

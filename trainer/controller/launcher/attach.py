@@ -45,6 +45,7 @@ from trainer.controller.launcher.live import LiveView, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.runlock import LockError, describe_holder, holder_state
+from trainer.controller.launcher.slurm_runs import slurm_launch
 from trainer.controller.launcher.status import MALFORMED, launcher_alive, read_launch_record
 
 EXAMPLES = ("trainer attach -i inventory/mycluster --run-name qwen-lora  # after its launcher died",)
@@ -68,6 +69,15 @@ def launch_to_follow(args: argparse.Namespace) -> tuple[JobPlan, LaunchRecord] |
         plan = make_plan(cluster, run_name=args.run_name)
     except PlanningError as err:
         print(f"trainer attach: {err}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    if (slurm_run := slurm_launch(plan)) is not None:
+        step = f"Slurm step {slurm_run.step or slurm_run.step_name} of job {slurm_run.job}"
+        print(
+            f"trainer attach: run {printable(args.run_name)}'s latest launch is {printable(step)}, which "
+            "attach does not follow yet: read it with `trainer logs -f` and `trainer status`, stop it with "
+            "`trainer stop` (same -i and --run-name)",
+            file=sys.stderr,
+        )
         return exitcodes.CONFIG_ERROR
     record, _, problem = read_launch_record(plan)
     nodes = record.nodes if record is not None else None
