@@ -68,7 +68,21 @@ def processes():
         proc.wait(timeout=30)
 
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+SLEEPER = [sys.executable, "-c", "import time; print('sleeping', flush=True); time.sleep(120)"]
+
+
+def sleeping_rank(node_rank: int, rank: int) -> subprocess.Popen:
+    """A rank asleep (state S), as a peer waiting in its collective is: started, and waited for until
+    it has said so and sleeps (on a loaded machine a python still starting reads as state R)."""
+    proc = subprocess.Popen(
+        SLEEPER,
+        env=dict(os.environ, CLUSTERTRAIN_LAUNCH_ID=LAUNCH_ID, NODE_RANK=str(node_rank), RANK=str(rank)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "sleeping\n"
+    wait_state(proc.pid, "S")
+    return proc
 
 
 def stalled_monitor(view: LiveView) -> JobMonitor:
@@ -107,7 +121,7 @@ def rendered(monitor: JobMonitor, view: LiveView, out: io.StringIO) -> tuple[Dia
 
 
 def test_a_stopped_rank_is_the_cause_and_its_peer_waits(tmp_path, processes):
-    processes += [rank_process(0, 0, SLEEPER), rank_process(1, 1, SLEEPER)]
+    processes += [sleeping_rank(0, 0), sleeping_rank(1, 1)]
     os.kill(processes[1].pid, signal.SIGSTOP)
     wait_state(processes[1].pid, "T")
     out = io.StringIO()
@@ -167,7 +181,7 @@ def test_a_rank_blocked_on_a_hung_mount_names_the_file_and_its_node_is_at_fault(
     mount.mkdir()
     with hung_mount(str(mount)):
         processes += [
-            rank_process(0, 0, SLEEPER),
+            sleeping_rank(0, 0),
             rank_process(1, 1, [sys.executable, "-c", f"open({str(mount / 'data.bin')!r}).read()"]),
         ]
         try:
@@ -190,9 +204,7 @@ def test_a_rank_blocked_on_a_hung_mount_names_the_file_and_its_node_is_at_fault(
 
 
 def test_a_stall_without_a_stopped_or_blocked_rank_stays_a_stall_and_shows_each_state(tmp_path, processes):
-    processes += [rank_process(0, 0, SLEEPER), rank_process(1, 1, SLEEPER)]
-    for proc in processes:
-        wait_state(proc.pid, "S")
+    processes += [sleeping_rank(0, 0), sleeping_rank(1, 1)]
     out = io.StringIO()
     with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
         monitor = stalled_monitor(view)
