@@ -7,6 +7,11 @@ A node that does not answer is played by node1's venv python: a wrapper that fai
 ssh returns when it cannot connect) or hangs (a stalled `hard` NFS mount) while a flag file exists.
 Its torchrun and trainer are the real ones, so node1's training is untouched: only the launcher's
 calls to the node misbehave.
+
+Five of these (marked bed_twin) make the assertions of a test on simulated nodes
+(test_launch_resilience_sim.py: a real sshd per node, its SSH blocked by iptables) and run only where
+simulated nodes cannot (`make test-fast`): the short and the long loss of a node, the killed trainer's
+restart, SIGHUP, and attach after kill -9. CI runs the simulated-node ones.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ def history(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "launch" / "history.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.bed_twin("tests/local/test_launch_resilience_sim.py::test_ssh_blocked_for_20_s_the_run_finishes")
 def test_a_node_that_stops_answering_for_less_than_the_grace_does_not_stop_the_run(loopback, tmp_path):
     inventory, shared = loopback
     flag = flaky_venv(tmp_path, inventory, "fail")
@@ -105,6 +111,9 @@ def test_a_node_that_stops_answering_for_less_than_the_grace_does_not_stop_the_r
     assert json.loads((run / "summary.json").read_text())["final_step"] == 60
 
 
+@pytest.mark.bed_twin(
+    "tests/local/test_launch_resilience_sim.py::test_ssh_blocked_past_the_grace_stops_every_node_and_names_it"
+)
 def test_a_node_silent_past_the_grace_stops_every_node_and_is_named(loopback, tmp_path):
     inventory, shared = loopback
     flag = flaky_venv(tmp_path, inventory, "hang")
@@ -400,6 +409,9 @@ def test_a_lost_head_is_said_plainly_with_what_to_run_once_it_is_back(loopback, 
     assert trainer_pids(run / "launch" / "node-1") == [], "node1's trainer was stopped"
 
 
+@pytest.mark.bed_twin(
+    "tests/local/test_launch_resilience_sim.py::test_sighup_to_the_launcher_stops_every_node"
+)
 def test_sighup_stops_every_node(loopback, tmp_path):
     inventory, shared = loopback
     run = shared / "runs" / "hup"
@@ -423,6 +435,9 @@ def test_sighup_stops_every_node(loopback, tmp_path):
     assert not list((tmp_path / "tmpdir").glob("clustertrain-runner-*")), "the private dirs were removed"
 
 
+@pytest.mark.bed_twin(
+    "tests/local/test_launch_resilience_sim.py::test_attach_after_kill_9_follows_the_run_to_its_end"
+)
 def test_attach_follows_a_launch_whose_launcher_was_killed(loopback, tmp_path):
     inventory, shared = loopback
     env = run_env(tmp_path)

@@ -29,6 +29,8 @@ import pytest
 from helpers.bed_launch import run_launch
 from helpers.simulated_nodes import NEEDS_NETNS, launch_command, netns_nodes, trainer_pids
 
+from trainer import exitcodes
+
 pytestmark = NEEDS_NETNS
 
 DROP_SSH = ["INPUT", "-p", "tcp", "--dport", "22", "-j", "DROP"]
@@ -61,8 +63,19 @@ def unblock_ssh(cluster, node: int = BLOCKED) -> None:
     in_node(cluster, node, "iptables", "-D", *DROP_SSH, capture_output=True)
 
 
-def start(command: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def private_tmpdir(cluster) -> tuple[Path, dict[str, str]]:
+    """(TMPDIR, the environment with it) for a launcher whose private dirs the test looks at."""
+    tmp = cluster.shared.parent / "launcher-tmp"
+    tmp.mkdir(exist_ok=True)
+    return tmp, dict(os.environ, TMPDIR=str(tmp))
+
+
+def history(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "launch" / "history.jsonl").read_text().splitlines()]
 
 
 def wait_for_checkpoint(launcher: subprocess.Popen, output: Path, timeout: float = 600) -> None:
@@ -102,7 +115,8 @@ def test_ssh_blocked_for_20_s_the_run_finishes(cluster):
         unblock_ssh(cluster)
     out = finish(launcher, timeout=1200)
     assert launcher.returncode == 0, out
-    assert "[n02] node 2: done" in out, out
+    assert "[n00] node 0: done" in out and "[n01] node 1: done" in out and "[n02] node 2: done" in out, out
+    print(f"n02's open SSH connection broken by ss -K: {broken}")
     if broken:  # the open connection broke at once: the state line said so meanwhile
         assert "[n02] node 2: unreachable (" in out and "n02 answers again after" in out, out
     assert json.loads((output / "summary.json").read_text())["final_step"] == 80
@@ -120,9 +134,16 @@ def test_ssh_blocked_past_the_grace_stops_every_node_and_names_it(cluster):
     finally:
         unblock_ssh(cluster)
     try:
-        assert launcher.returncode == 69, "NODE_LOST: the cause's own code"
+        assert launcher.returncode == exitcodes.NODE_LOST, "the cause's own code"
         assert "failed: n02 (node 2) was lost at step " in out and ": no answer for " in out, out
-        assert "could not confirm the stop on n02" in out, out
+        assert "[n02] node 2: lost (no answer since " in out, "shown as lost, never as running"
+        assert "could not confirm the stop on n02" in out, "the stop on a silent node has a timeout"
+        assert "n02 was lost; relaunch with --max-restarts K --exclude-failed to go on without it" in out, out
+        # The launcher itself stopped the nodes that answer, before the --stop below.
+        assert trainer_pids(cluster, 0) == [] and trainer_pids(cluster, 1) == [], out
+        stopped = [r for r in history(output) if r["event"] == "stopped"]
+        assert stopped[-1]["why"] == "lost" and stopped[-1]["hosts"] == ["n02"], stopped[-1]
+        assert stopped[-1]["cause"]["code"] == exitcodes.NODE_LOST
     finally:
         subprocess.run([*launch_command(cluster, run_name), "--stop"], timeout=600)
     no_trainer_left(cluster)
@@ -180,7 +201,8 @@ def test_a_killed_worker_trainer_restarts_from_its_checkpoint_with_the_same_fina
 
 
 def test_sighup_to_the_launcher_stops_every_node(cluster):
-    launcher = start(launch_command(cluster, "hup", "train.max_steps=4000"))
+    tmp, env = private_tmpdir(cluster)
+    launcher = start(launch_command(cluster, "hup", "train.max_steps=4000"), env)
     try:
         for line in launcher.stdout:
             if line.startswith("step "):
@@ -193,22 +215,39 @@ def test_sighup_to_the_launcher_stops_every_node(cluster):
             launcher.communicate(timeout=180)
     assert launcher.returncode == 130
     no_trainer_left(cluster)
+    assert history(output_of(cluster, "hup"))[-1]["why"] == "interrupted"
+    assert not list(tmp.glob("clustertrain-runner-*")), "the private dirs were removed"
 
 
 def test_attach_after_kill_9_follows_the_run_to_its_end(cluster):
     run_name, output = "attached", output_of(cluster, "attached")
-    # Still running when attach comes in (seconds after the kill at the step-4 checkpoint).
-    launcher = start(launch_command(cluster, run_name, "train.max_steps=50"))
+    tmp, env = private_tmpdir(cluster)
+    # Still running when status and attach come in (seconds after the kill at the step-4 checkpoint).
+    launcher = start(launch_command(cluster, run_name, "train.max_steps=50"), env)
     try:
         wait_for_checkpoint(launcher, output)
     finally:
-        launcher.kill()
+        launcher.kill()  # -9: nothing of the launcher runs any more
         launcher.wait()
+    verb = [sys.executable, "-m", "trainer", "{verb}", "-i", str(cluster.inventory), "--run-name", run_name]
+    status = subprocess.run(
+        [part.format(verb="status") for part in verb], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert status.returncode == 0, status.stdout + status.stderr
+    for node in range(3):
+        assert f"[n0{node}] node {node}: running" in status.stdout, status.stdout
+    assert f"launch {run_name}-" in status.stdout, status.stdout
+    assert f"lock: held by trainer launch pid {launcher.pid} on " in status.stdout, status.stdout
+    assert "(no longer running: a new launch needs --force)" in status.stdout, status.stdout
     attach = subprocess.run(
-        [sys.executable, "-m", "trainer", "attach", "-i", str(cluster.inventory), "--run-name", run_name],
-        capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+        [part.format(verb="attach") for part in verb], capture_output=True, text=True, env=env, timeout=1800
+    )
     out = attach.stdout + attach.stderr
     assert attach.returncode == 0, out
-    assert f"done: run {run_name} finished on all 3 node(s)" in out, out
+    assert "step 50/50" in out and f"done: run {run_name} finished on all 3 node(s)" in out, out
     assert json.loads((output / "summary.json").read_text())["final_step"] == 50
+    # The dead launcher's lock was adopted and released at the end: the next launch needs no --force.
+    assert f"took over run {run_name}'s lock from trainer launch pid {launcher.pid}" in out, out
+    assert not (output / "launch" / "lock").exists()
+    # The killed launcher's private dir (the run's files and secrets) was removed by a later run.
+    assert not list(tmp.glob("clustertrain-runner-*"))
