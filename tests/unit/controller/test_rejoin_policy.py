@@ -15,7 +15,7 @@ from rich.console import Console
 
 from trainer import exitcodes
 from trainer.controller.inventory import load_cluster
-from trainer.controller.launcher.failure import Outcome
+from trainer.controller.launcher.failure import Diagnosis, Event, Outcome
 from trainer.controller.launcher.live import JobMonitor, LiveView
 from trainer.controller.launcher.plan import make_plan
 from trainer.controller.launcher.rejoin import Rejoin
@@ -55,8 +55,8 @@ class Attempts:
     checkpoint every 10 and asks `grow` after each line, as the follow handlers do; on 3 nodes it is
     done, or (`fail_rejoin`) its start fails on node2."""
 
-    def __init__(self, plan, *, fail_rejoin: bool = False) -> None:
-        self.plan, self.fail_rejoin = plan, fail_rejoin
+    def __init__(self, plan, *, fail_rejoin: bool = False, first: Outcome | None = None) -> None:
+        self.plan, self.fail_rejoin, self.first = plan, fail_rejoin, first
         self.plans: list[list[str]] = []
         self.records: list[dict] = []
         self.grows: list[object] = []
@@ -65,6 +65,8 @@ class Attempts:
         hosts = [n.host for n in self.plan.topology.nodes]
         self.records.append(record)
         self.grows.append(grow)
+        if len(self.records) == 1 and self.first is not None:
+            return self.first
         if len(self.records) == 1:
             return Outcome(exitcodes.NODE_LOST, "failed", ["node2"], "node2 lost", True, lost=["node2"])
         if len(hosts) == 3:
@@ -168,3 +170,18 @@ def test_a_node_that_cannot_start_at_its_rejoin_is_left_out_again_and_not_probed
     assert probes.probed == [["node2"]], "not probed again after its failed rejoin: no loop"
     assert policy.restarts == 1, "neither growing back nor leaving it out again used a restart"
     assert launcher.records[-1]["rejoin_failed"] == ["node2"] and not launcher.records[-1]["restart_used"]
+
+
+def test_a_node_left_out_at_fault_while_it_answers_is_not_probed_back(tmp_path):
+    """node2 left out for what it did while it answered (a rank stuck in the kernel there): it answers
+    any probe at once, and taken back it would hang the same way, so it stays out."""
+    stuck = Event(0.0, "node2", 2, "hung", exitcodes.HUNG, "in uninterruptible sleep — state D", rank=4)
+    stuck = dataclasses.replace(stuck, node_at_fault=True)
+    diagnosis = Diagnosis(stuck, head="node0")
+    first = Outcome(exitcodes.HUNG, "failed", ["node2"], "node2 hung", True, diagnosis=diagnosis)
+    code, out, launcher, probes, policy = run_policy(tmp_path, ProbeAnswer(answered=True), first=first)
+    assert code == exitcodes.OK, out
+    assert diagnosis.at_fault == ["node2"]
+    assert launcher.plans == [["node0", "node1"]], "left out, and the run ended at 2 nodes"
+    assert probes.probed == [] and "back" not in out, out
+    assert policy.rejoins == 0

@@ -17,10 +17,13 @@ After a failed attempt, in this order:
    stops saying so;
 4. a probe failure at a restart is a node loss to leave out, not a failure that uses up a restart;
 5. otherwise a restart is used, up to K.
-With --exclude-failed the nodes left out are probed while the job goes on without them (rejoin.py);
-one that is back is taken in at the next checkpoint: the attempt stops there and the next starts on
-all the nodes at the user's own batch split, which uses no restart (`--no-rejoin`: never). A node
-whose start fails at its rejoin is left out again, without a restart, and not probed again.
+With --exclude-failed the nodes left out as lost are probed while the job goes on without them
+(rejoin.py); one that is back is taken in at the next checkpoint: the attempt stops there and the
+next starts on all the nodes at the user's own batch split, which uses no restart (`--no-rejoin`:
+never). A node
+whose start fails at its rejoin is left out again, without a restart, and not probed again. A node
+left out for what it did while it still answered (failing twice, a rank stuck in the kernel there) is
+not probed: it would answer at once, and taken back it would fail the same way.
 Every restart is a line on the screen and a record in `<run>/launch/history.jsonl`, naming the cause,
 what changed and the checkpoint it resumes from. A node left out is used again at the next
 `trainer launch` of the run (the plan is made from the inventory each time).
@@ -128,6 +131,8 @@ class RestartPolicy:
         self.restarts = restarts_used
         self.inventory = inventory
         self.excluded: set[str] = set()
+        #: The nodes left out because they were lost (no answer): the only ones probed to come back.
+        self.left_out_lost: set[str] = set()
         self.caused: Counter[str] = Counter()
         #: The latest complete checkpoint the head reported (kept across attempts whose stop could not
         #: ask it, such as a probe that failed).
@@ -197,7 +202,8 @@ class RestartPolicy:
     def _attempt(self, record: dict[str, Any]) -> Outcome:
         """One attempt; the nodes left out probed meanwhile where they may come back."""
         final = self.restarts >= self.max_restarts
-        grow = self.rejoin.watch(self.excluded) if self.rejoin is not None else None
+        out_lost = self.excluded & self.left_out_lost
+        grow = self.rejoin.watch(out_lost) if self.rejoin is not None else None
         try:
             return self.launcher.attempt(
                 self.view,
@@ -265,6 +271,7 @@ class RestartPolicy:
             if changed is None:
                 return None
             changes, batch = changed
+            self.left_out_lost |= set(lost) & set(leave_out)
         if not free:
             self.restarts += 1
         self.launcher.new_launch()
