@@ -1,5 +1,9 @@
 """`trainer launch` through ansible-runner on this machine: two loopback "hosts" (ansible_connection
-local) with node ranks 0 and 1, one process each, gloo. Real torchrun, real trainer, real playbooks."""
+local) with node ranks 0 and 1, one process each, gloo. Real torchrun, real trainer, real playbooks.
+
+The plain launch and the killed rank (marked bed_twin) make the assertions of the tests on simulated
+nodes (test_launch_sim.py: three nodes with a real sshd each), which CI runs; they run only where
+simulated nodes cannot (`make test-fast`)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from helpers.loopback_launch import TINY, launch_command, trainer_pids
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.bed_twin("tests/local/test_launch_sim.py::test_three_node_launch_trains_with_agreeing_ranks")
 def test_two_node_loopback_launch_trains_and_writes_outputs(loopback_cluster):
     inventory, shared = loopback_cluster
     done = subprocess.run(
@@ -45,6 +50,9 @@ def test_two_node_loopback_launch_trains_and_writes_outputs(loopback_cluster):
     assert "export NODE_RANK=1" in node1 and "export NCCL_SOCKET_IFNAME==lo" in node1
 
 
+@pytest.mark.bed_twin(
+    "tests/local/test_launch_sim.py::test_killed_worker_stops_all_hosts_then_relaunch_resumes"
+)
 def test_a_killed_rank_stops_the_other_host_and_is_named_then_relaunch_resumes(loopback_cluster):
     inventory, shared = loopback_cluster
     run = shared / "runs" / "kill"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -40,7 +41,9 @@ def test_three_node_launch_trains_with_agreeing_ranks(cluster):
     output = cluster.shared / "runs" / "three"
     rc, out = run_launch(launch_command(cluster, "three", "train.max_steps=8"), timeout=900)
     assert rc == 0, out
-    assert "step 8/8" in out and all(f"[{h}]" in out for h in cluster.hosts), out
+    assert "step 8/8" in out, "rank 0's log lines are shown"
+    for node, host in enumerate(cluster.hosts):
+        assert f"[{host}] node {node}: done" in out, out
     metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 8 and metrics[-1]["world_size"] == 3
     assert (output / "checkpoints" / "latest").read_text().strip() == "step-8"
@@ -51,6 +54,14 @@ def test_three_node_launch_trains_with_agreeing_ranks(cluster):
     head_address = cluster.addresses[cluster.hosts[0]]
     assert "export NODE_RANK=2" in run_sh and f"export MASTER_ADDR={head_address}" in run_sh
     assert "export NCCL_SOCKET_IFNAME==" in run_sh, "auto resolved to the exact interface on the node"
+    # The other launchers' files, one job across the nodes: DeepSpeed's hostfile (each node's address,
+    # one slot each), accelerate's per-node config, DeepSpeed's batch (the micro-batch on 3 ranks).
+    launch = output / "launch"
+    hostfile = "".join(f"{cluster.addresses[host]} slots=1\n" for host in cluster.hosts)
+    assert (launch / "hostfile").read_text() == hostfile
+    assert yaml.safe_load((launch / "accelerate-node2.yaml").read_text())["machine_rank"] == 2
+    micro_batch = yaml.safe_load((launch / "config.yaml").read_text())["train"]["micro_batch_size"]
+    assert json.loads((launch / "deepspeed.json").read_text())["train_batch_size"] == 3 * micro_batch
 
 
 def test_killed_worker_stops_all_hosts_then_relaunch_resumes(cluster):
@@ -80,6 +91,10 @@ def test_killed_worker_stops_all_hosts_then_relaunch_resumes(cluster):
             launcher.communicate(timeout=120)
     assert launcher.returncode == 137, "128 + SIGKILL: the killed rank's own code, not torchrun's 1"
     assert "failed: killed by signal 9 (SIGKILL) (rank 1 on n01 (node 1), exit code 137)" in out, out
+    # A survivor's broken collective is what followed, not the cause.
+    survivor = r"rank (0 on n00 \(node 0\)|2 on n02 \(node 2\))"
+    followed = rf"then: {survivor}: its collective failed after rank 1 on n01 \(node 1\) was killed"
+    assert re.search(followed, out), out
     assert stopped_after < 60, f"{stopped_after:.0f} s from the kill to every host stopped"
     for node, host in enumerate(cluster.hosts):
         assert trainer_pids(cluster, node) == [], f"{host} still runs its trainer"
