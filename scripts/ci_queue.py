@@ -46,31 +46,36 @@ def tests(*paths: str) -> list[str]:
 #: Lint first, on the workers that start at once: a minute of CPU that the bed's side, CI's longest,
 #: no longer waits for before its containers start (a failure still fails CI, in the report).
 BEFORE = [("lint", ["make", "lint"])]
-#: Then the named chunks, longest first (each one's minutes in the last CI-like run on this 2-core
-#: machine, load 8-12, are on its line; a quiet machine takes about half): the workers that come
-#: free late, the bed's side among them, find only short ones left, so none idles long while another
-#: finishes. A test file named nowhere goes into a local-N chunk (tests/local, five files each) or
-#: unit-and-the-rest, after these. The simulated-node tests load the CPU with up to 8 nodes each.
-#: The README's set-up in a bare container (podman, on podman's default network, its own --rm
-#: container: nothing of the bed's) is a chunk like the others.
+#: Then the named chunks, longest first (each one's wall minutes in the last CI run on this 2-core
+#: machine, 67 min at load 10-20, are on its line; a quiet machine takes about half): the workers
+#: that come free late, the bed's side among them, find only short ones left, so none idles long
+#: while another finishes. A test file named nowhere goes into a local-N chunk (tests/local, five
+#: files each) or unit-and-the-rest, after these. The simulated-node tests load the CPU with up to 8
+#: nodes each. The README's set-up in a bare container (podman, on podman's default network, its own
+#: --rm container: nothing of the bed's) is a chunk like the others.
 HEAVY_FIRST: list[tuple[str, list[str]]] = [
-    ("zero-resize", tests("local/test_ds_resize.py")),  # 19.0 min
-    ("unit-node", tests("unit/node")),  # 17.0
-    ("launch-resilience", tests("local/test_launch_resilience_local.py")),  # 15 of launch-failures' 18.4
-    # 14 at load 10-15 (moved from the bed, where it took 5.5 min of the critical path)
+    ("zero-resize", tests("local/test_ds_resize.py")),  # 19-23 min
+    ("unit-node", tests("unit/node")),  # 18.0
+    # 10.2 (moved from the bed, where it took 5.5 min of the critical path)
     ("launch-resilience-sim", tests("local/test_launch_resilience_sim.py")),
-    ("node-loss-sim", tests("local/test_node_loss_sim.py")),  # 11 at load 17 (moved from the bed: 95 s)
-    ("launch-sim", tests("local/test_launch_sim.py")),  # moved from the bed: 54 s there
-    ("disk-full", tests("local/test_disk_full.py")),  # 11 of disk-and-checkpoints' 14.0
-    ("launch", tests("local/test_launch_local.py", "local/test_launcher_forms_local.py")),  # 10.0
-    ("trainer-engines", tests("local/test_trainer_engines.py")),  # 9 of local-7's 15.1
-    ("unit-controller", tests("unit/controller")),  # ~9 of unit-and-the-rest's 15.0
-    ("finetune-engines", tests("local/test_finetune_engines.py")),  # 8.5
-    ("fresh-install", ["scripts/testbed/fresh-install.sh"]),  # 8.5
-    ("health-and-forks", tests("local/test_health_training.py", "local/test_forks_memory.py")),  # ~5
-    ("simulated-nodes", tests("local/test_launch_scale.py", "local/test_scale_costs.py")),  # 3.9
-    ("finetune-launch", tests("local/test_finetune_launch_local.py", "local/test_prepared_data_local.py")),
-    ("simulated-preflight", tests("local/test_preflight_scale.py")),  # 2.5; finetune-launch above: 3.6
+    ("unit-controller", tests("unit/controller")),  # 9.7
+    ("finetune-engines", tests("local/test_finetune_engines.py")),  # 7.3
+    # 11.7 before its four loopback twins of launch-resilience-sim's tests left CI (bed_twin): ~7
+    ("launch-resilience", tests("local/test_launch_resilience_local.py")),
+    # 7.4 before its two loopback twins of launch-sim's tests left CI (bed_twin): ~5.4
+    ("launch", tests("local/test_launch_local.py", "local/test_launcher_forms_local.py")),
+    ("fresh-install", ["scripts/testbed/fresh-install.sh"]),  # 4.8
+    ("disk-full", tests("local/test_disk_full.py")),  # 4.5
+    ("trainer-engines", tests("local/test_trainer_engines.py")),  # 4.3
+    ("node-loss-sim", tests("local/test_node_loss_sim.py")),  # 4.0 (moved from the bed: 95 s)
+    ("launch-sim", tests("local/test_launch_sim.py")),  # 3.2 (moved from the bed: 54 s there)
+    ("simulated-nodes", tests("local/test_launch_scale.py", "local/test_scale_costs.py")),  # 2.7
+    ("health-and-forks", tests("local/test_health_training.py", "local/test_forks_memory.py")),  # 2.4
+    ("simulated-preflight", tests("local/test_preflight_scale.py")),  # 2.4
+    (
+        "finetune-launch",
+        tests("local/test_finetune_launch_local.py", "local/test_prepared_data_local.py"),
+    ),  # 1.5
 ]
 #: What is not a pytest chunk, last: the docs site built strict (seconds).
 AFTER = [("docs", ["make", "docs"])]
