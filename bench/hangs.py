@@ -4,9 +4,10 @@ Per kind, one `trainer launch --stall-timeout S` on the loopback cluster (tests/
 node0 and node1 are this machine, one process each), a hang injected into node1's rank once the run
 trains, and from the launcher's output, stamped as it arrives:
 - `detected`: seconds from the injection to the stall watchdog's line (`stalled (...): collecting`);
-- `named`: seconds to the report's first line (`hung: ...` where the kernel names the culprit by its
-  process state, else `stalled: ...` with the ranks behind), after every node was asked for its
-  ranks' states and stacks and stopped;
+- `named`: seconds to the line naming the culprit (`culprit: ...`, printed once every node's ranks'
+  process states are read, before the stacks and the stop), or where none is printed to the report's
+  first line (`hung: ...`, or `stalled: ...` with the ranks behind);
+- `reported`: seconds to that report's first line, after every node was stopped;
 - what was named (that line), and the launcher's exit code (71 HUNG, 1 a stall without a culprit).
 
 Kinds:
@@ -192,16 +193,22 @@ def run_dstate(root: Path, base: list[str], node1: Path) -> dict:
 def measured(kind: str, launch: Launch, injected: float) -> dict:
     code = launch.wait()
     detected = launch.first("stalled (")
-    named = launch.first("hung: ") or launch.first("stalled: ")
+    # The culprit is named at the `culprit:` line where the states are read before the stop (since
+    # issue 39's second slice), else at the report after the stop (`hung:`, or `stalled:` without one).
+    reported = launch.first("hung: ") or launch.first("stalled: ")
+    named = launch.first("culprit: ") or reported
     return {
         "kind": kind,
         "exit_code": code,
         "detected_s": round(detected[0] - injected, 1) if detected else None,
         "named_s": round(named[0] - injected, 1) if named else None,
+        "reported_s": round(reported[0] - injected, 1) if reported else None,
         "named": named[1] if named else "(nothing named)",
         # Where nothing hung was named: what the launcher said, to see why.
         "output": [f"{t - injected:7.1f} {text}" for t, text in launch.lines],
-        "said": [] if named and named[1].startswith("hung: ") else [text for _, text in launch.lines[-25:]],
+        "said": []
+        if named and named[1].startswith(("hung: ", "culprit: "))
+        else [text for _, text in launch.lines[-25:]],
     }
 
 
@@ -229,8 +236,9 @@ def main() -> int:
             print(f"{kind:17} skipped: {result['skipped']}", flush=True)
             continue
         print(
-            f"{kind:17} detected {result['detected_s']} s, named {result['named_s']} s after the injection, "
-            f"exit {result['exit_code']}: {result['named']}",
+            f"{kind:17} detected {result['detected_s']} s, named {result['named_s']} s, reported (all "
+            f"stopped) {result['reported_s']} s after the injection, exit {result['exit_code']}: "
+            f"{result['named']}",
             flush=True,
         )
         for line in result.pop("said"):

@@ -81,6 +81,15 @@ def test_a_stopped_rank_is_named_with_its_state_and_everything_is_stopped(loopba
         in out
     )
     assert "then: rank 0 on node0 (node 0): waiting in its collective" in out, out
+    # Named from the states read before the stop (its stacks and TERM), and before the report.
+    named = out.index("culprit: stopped (SIGSTOP or another stop signal) — state T (rank 1 on node1")
+    assert named < out.index("hung: stopped (SIGSTOP"), out
+    # The stop's history record names that cause (it said `stall` while the states came with the stop).
+    history = [json.loads(line) for line in (run / "launch" / "history.jsonl").read_text().splitlines()]
+    stop = [r for r in history if r.get("event") == "stopped"][-1]
+    assert (stop["why"], stop["hosts"], stop["exit_code"]) == ("hung", ["node1"], exitcodes.HUNG), stop
+    assert (stop["cause"]["host"], stop["cause"]["rank"]) == ("node1", 1), stop
+    assert stop["cause"]["message"].startswith("stopped (SIGSTOP or another stop signal) — state T"), stop
     assert took < STALL_S + 120, f"named and stopped {took:.0f} s after the SIGSTOP (bound {STALL_S} s)"
     for node in (0, 1):
         assert launch_processes(run / "launch" / f"node-{node}") == [], "every process of the launch is gone"
@@ -124,5 +133,10 @@ def test_a_command_blocked_on_a_hung_mount_names_the_node_and_the_file(loopback,
     assert f", blocked in openat on {mount}/shard-1.bin (node1 (node 1), exit code 71)" in out, out
     assert "hung: python (pid " in out and "(node1 (node 1), exit code 71)" in out, out
     assert "then: node0 (node 0): sleep (pid " in out, "the other node's process, its consequence"
+    assert out.index("culprit: python (pid ") < out.index("hung: python (pid "), out
+    history = (shared / "runs" / "dstate" / "launch" / "history.jsonl").read_text().splitlines()
+    stop = [r for r in map(json.loads, history) if r.get("event") == "stopped"][-1]
+    assert (stop["why"], stop["hosts"], stop["cause"]["host"]) == ("hung", ["node1"], "node1"), stop
+    assert f"blocked in openat on {mount}/shard-1.bin" in stop["cause"]["message"], stop
     for node in (0, 1):
         assert launch_processes(shared / "runs" / "dstate" / "launch" / f"node-{node}") == []

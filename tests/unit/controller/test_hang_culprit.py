@@ -6,15 +6,19 @@ D) is left out by --exclude-failed as a lost node is; a stall without such a ran
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import io
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers.loopback import write_inventory
@@ -23,7 +27,8 @@ from rich.console import Console
 from trainer import exitcodes
 from trainer.controller.inventory import load_cluster
 from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
-from trainer.controller.launcher.hang import find_hang
+from trainer.controller.launcher.hang import find_hang, find_partition
+from trainer.controller.launcher.launch import Launcher
 from trainer.controller.launcher.live import JobMonitor, LiveView
 from trainer.controller.launcher.plan import make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
@@ -138,6 +143,30 @@ def test_a_stopped_rank_is_the_cause_and_its_peer_waits(tmp_path, processes):
     assert "then: rank 0 on head (node 0): waiting in its collective (sleeping — state S" in shown, shown
     assert diagnosis.restartable and diagnosis.at_fault == [], "a stop is the job's failure, not the node's"
     assert diagnosis.as_record()["cause"]["message"].startswith("stopped (SIGSTOP")
+
+
+def test_the_states_read_before_the_stop_name_the_culprit_in_the_stop_record(tmp_path, processes, capsys):
+    """The launcher reads every node's states (node_ctl's `states` op, states.yml) before its stop: the
+    culprit is named from them, and the history record the stop then writes says `hung` with the host
+    and rank, not `stall`. The read signals nothing: the stopped rank stays stopped for the stop."""
+    processes += [sleeping_rank(0, 0), sleeping_rank(1, 1)]
+    os.kill(processes[1].pid, signal.SIGSTOP)
+    wait_state(processes[1].pid, "T")
+    ctl = node_ctl()
+    out = io.StringIO()
+    with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
+        monitor = stalled_monitor(view)
+        for host, node_rank in (("head", 0), ("w1", 1)):
+            assert ctl.serve({"op": "states", "node_dir": str(node_dir(tmp_path, node_rank))}) == 0
+            answer = json.loads(capsys.readouterr().out)
+            assert set(answer) == {"proc_states"}, answer
+            monitor.hosts[host].proc_states = answer["proc_states"]
+        diagnosis = diagnose(monitor, bundled=False)
+    assert Path(f"/proc/{processes[1].pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    record = Launcher._stop_record(SimpleNamespace(launch_id="L1", attempt_number=1), diagnosis)
+    assert (record["why"], record["hosts"], record["exit_code"]) == ("hung", ["w1"], exitcodes.HUNG)
+    assert (record["cause"]["host"], record["cause"]["rank"]) == ("w1", 1), record
+    assert record["cause"]["message"].startswith("stopped (SIGSTOP or another stop signal) — state T")
 
 
 def test_a_stop_ends_a_node_with_a_stopped_rank_and_says_it_stopped_it(tmp_path, processes):
@@ -295,3 +324,71 @@ def test_exclude_failed_leaves_a_node_at_fault_out_as_a_lost_one(tmp_path):
     code = RestartPolicy(launcher, view, max_restarts=1, exclude_failed=True, replan=replan).run()
     assert code == exitcodes.OK and launcher.plans == [["node0"]], out.getvalue()
     assert "node1 left out: 2 -> 1 nodes" in out.getvalue(), out.getvalue()
+
+
+def test_a_node_whose_port_its_peers_get_no_answer_from_is_cut_off(tmp_path):
+    """A partial partition on real sockets: three "nodes" on 127.0.0.1-3, the master port closed on
+    two (a refusal: the path is open, they answer) and dropped on the third (a listener whose accept
+    queue is full: Linux drops the SYNs, as a firewall's DROP rule does). Each node's connects
+    (node_ctl.reach_peers, the states op's) name the third as the one no peer reaches; every rank
+    sleeping in its collective (no state tells it), the cause is that node, at fault, exit 71."""
+    ctl = node_ctl()
+    cut = socket.socket()
+    cut.bind(("127.0.0.3", 0))
+    cut.listen(0)
+    port = cut.getsockname()[1]
+    held = []
+    try:
+        for _ in range(4):  # fill the accept queue: later SYNs go unanswered
+            client = socket.socket()
+            client.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                client.connect(("127.0.0.3", port))
+            held.append(client)
+        time.sleep(0.3)
+        nodes = {"head": "127.0.0.1", "w1": "127.0.0.2", "w2": "127.0.0.3"}
+        reach = {}
+        for host in ("head", "w1"):
+            peers = [[other, address] for other, address in nodes.items() if other != host]
+            started = time.monotonic()
+            reach[host] = {"port": port, "peers": ctl.reach_peers(peers, port)}
+            assert time.monotonic() - started < ctl.REACH_TIMEOUT_S + 3, "the peers are tried at once"
+    finally:
+        for sock in [*held, cut]:
+            sock.close()
+    assert reach["head"]["peers"] == {"w1": "answers", "w2": "no answer"}, reach
+    assert reach["w1"]["peers"] == {"head": "answers", "w2": "no answer"}, reach
+    # w2 cut off answers nobody (its firewall drops the answers too).
+    reach["w2"] = {"port": port, "peers": {"head": "no answer", "w1": "no answer"}}
+    partition = find_partition(reach)
+    assert partition is not None and (partition.host, partition.unanswered) == ("w2", ["head", "w1"])
+    # Two nodes: either side may be the one at fault, nothing is named.
+    assert find_partition({"head": reach["head"], "w2": reach["w2"]}) is None
+
+    out = io.StringIO()
+    with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
+        monitor = JobMonitor(
+            {"head": 0, "w1": 1, "w2": 2},
+            "head",
+            view,
+            stall_timeout_s=5,
+            progress_from_steps=False,
+            ranks={"head": range(0, 1), "w1": range(1, 2), "w2": range(2, 3)},
+        )
+        for node_rank, host in enumerate(("head", "w1", "w2")):
+            monitor.on_message(
+                {"host": host, "type": "report", "report": {"state": "running", "lines": ["x"]}}
+            )
+            waiting = {"pid": 10 + node_rank, "ppid": 1, "state": "S", "rank": node_rank, "wchan": "futex"}
+            monitor.hosts[host].proc_states = [waiting]
+            monitor.hosts[host].reach = reach[host]
+        monitor.last_progress_at -= 60
+        monitor.check_time()
+        diagnosis, shown = rendered(monitor, view, out)
+    cause = diagnosis.cause
+    assert (cause.kind, cause.host, cause.code) == ("hung", "w2", exitcodes.HUNG), shown
+    assert (
+        f"hung: w2 does not answer its peers on port {port} while SSH works (head, w1 got no answer" in shown
+    )
+    assert diagnosis.at_fault == ["w2"], "its node is at fault: --exclude-failed leaves it out"
+    assert f"then: head (node 0): waiting in its collective: no answer from w2 on port {port}" in shown, shown

@@ -29,7 +29,7 @@ from typing import Any
 from rich.markup import escape
 
 from trainer import exitcodes
-from trainer.controller.launcher.hang import Hang, find_hang, state_lines
+from trainer.controller.launcher.hang import Hang, Partition, find_hang, find_partition, state_lines
 from trainer.controller.launcher.live import (
     HostState,
     JobMonitor,
@@ -395,6 +395,9 @@ def _stall_events(monitor: JobMonitor, now: float) -> list[Event]:
     stall, at = monitor.stall, monitor.stalled_at or now
     assert stall is not None
     hang = stall_hang(monitor)
+    partition = find_partition({hs.host: hs.reach for hs in monitor.hosts.values()}) if hang is None else None
+    if partition is not None:
+        return _partition_events(monitor, partition, at, stall.summary)
     if hang is None:
         behind = stall.behind[0] if stall.behind else (monitor.rank0_host, None, None)
         host = monitor.hosts[behind[0]]
@@ -420,6 +423,29 @@ def _stall_events(monitor: JobMonitor, now: float) -> list[Event]:
                 at, other.host, other.node_rank, "waiting", exitcodes.HUNG, text, other.rank, consequence=True
             )
         )
+    return events
+
+
+def _partition_events(monitor: JobMonitor, partition: Partition, at: float, summary: str) -> list[Event]:
+    """A partial partition as events: the node cut off (the cause: its node at fault, left out by
+    --exclude-failed as a lost one) and each peer that could not reach it (consequences)."""
+    cut = monitor.hosts[partition.host]
+    events = [
+        Event(
+            at,
+            cut.host,
+            cut.node_rank,
+            "hung",
+            exitcodes.HUNG,
+            partition.what,
+            node_at_fault=True,
+            detail=f"found by the stall watchdog: {summary}",
+        )
+    ]
+    for host in partition.unanswered:
+        peer = monitor.hosts[host]
+        text = f"waiting in its collective: no answer from {cut.host} on port {partition.port}"
+        events.append(Event(at, host, peer.node_rank, "waiting", exitcodes.HUNG, text, consequence=True))
     return events
 
 

@@ -13,7 +13,9 @@ in this order:
 The first (by that order, then node and rank) is the cause; every other rank is its consequence,
 waiting in its collective (or also stopped, blocked or gone). Where no rank is in such a state (a rank
 sleeping outside a collective sleeps as its waiting peers do), there is no culprit here and the stall
-stays a stall: the progress records name the ranks behind.
+stays a stall: the progress records name the ranks behind, unless a node is cut off from its peers
+(find_partition: a partial partition, its collective port dropped while SSH works; every rank waits
+in its collective, state S, so the states alone cannot tell it).
 """
 
 from __future__ import annotations
@@ -189,3 +191,46 @@ def find_hang(
 def state_lines(reports: Mapping[str, list[Any] | None], node_ranks: Mapping[str, int]) -> list[str]:
     """One line per reported rank, for a stall without a culprit (where each one was, by the kernel)."""
     return [f"{s.where}: {s.what}" for s in rank_states(reports, node_ranks, {})]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A node its peers' connects on the collective's port get no answer from, while the peers answer
+    each other and the node answered the launcher over SSH: its firewall (or link) drops the port."""
+
+    host: str
+    port: int
+    unanswered: list[str]
+    """The peers whose connect to `host` got no answer."""
+
+    @property
+    def what(self) -> str:
+        return (
+            f"{self.host} does not answer its peers on port {self.port} while SSH works "
+            f"({', '.join(self.unanswered)} got no answer; the other nodes answer each other): "
+            "a firewall or link drops the collective's traffic"
+        )
+
+
+def find_partition(reach: Mapping[str, Any]) -> Partition | None:
+    """The node cut off from its peers, from each node's connects at the stall (host -> its
+    node_ctl reach answer, {"port": N, "peers": {peer: `answers` | `no answer` | error}}, None where
+    it did not report): the one host that no reporting peer reached while at least one pair of the
+    others reached each other. With two nodes (or where the others do not answer each other) either
+    side may be the one at fault: None."""
+    answers = {
+        host: {str(k): str(v) for k, v in report["peers"].items()}
+        for host, report in reach.items()
+        if isinstance(report, dict) and isinstance(report.get("peers"), dict)
+    }
+    if len(answers) < 2:
+        return None
+    port = next((r.get("port") for r in reach.values() if isinstance(r, dict)), None)
+    cut_off = []
+    for host in reach:
+        peers = [p for p in answers if p != host and host in answers[p]]
+        if peers and all(answers[p][host] == "no answer" for p in peers):
+            others_meet = any(answers[a].get(b) == "answers" for a in peers for b in peers if a != b)
+            if others_meet:
+                cut_off.append(Partition(host, _int(port) or 0, sorted(peers)))
+    return cut_off[0] if len(cut_off) == 1 else None

@@ -63,6 +63,7 @@ from trainer.controller.launcher.runlock import (
 from trainer.controller.launcher.wire import (
     PLAYBOOKS,
     START_SKIP_TAG,
+    STATES_TASK,
     STOP_TASK,
     WatchOptions,
     drop_node_files,
@@ -493,10 +494,8 @@ class Launcher:
             # answers (a node that does not answer it) complete it for the report (_diagnosed).
             early = diagnose(monitor, bundled=plan.runs_bundled_trainer)
             if stall is not None:
-                view.message(
-                    f"stalled ({stall.summary}): collecting process states and stacks, then stopping "
-                    "every host"
-                )
+                view.message(f"stalled ({stall.summary}): reading each rank's process state")
+                early = self._stall_culprit(monitor, view, set(early.lost) if early is not None else set())
             elif early is not None:
                 view.message(f"{early.cause_phrase}; stopping the trainer on every host that answers")
         except Exception as err:  # reported, then the stop
@@ -505,13 +504,42 @@ class Launcher:
         stopped = self.stop(
             monitor,
             stacks=stall is not None and plan.runs_bundled_trainer,
-            states=stall is not None,
+            # A node whose states did not come before the stop reads them in it (before its TERM).
+            states=stall is not None
+            and any(hs.proc_states is None for hs in monitor.ordered if hs.host not in skipped),
             record=self._stop_record(early),
             release=final,
             skip=skipped,
         )
         view.states(monitor.ordered)
         return skipped, stopped
+
+    def _stall_culprit(self, monitor: JobMonitor, view: LiveView, lost: set[str]) -> Diagnosis | None:
+        """At a stall, before the stop: every node's ranks' process states (states.yml, /proc only),
+        so the culprit is named before the stacks and the TERM (seconds sooner: bench/hangs.py) and the
+        stop's history record names it (kind `hung`, host, rank) instead of `stall`. The diagnosis."""
+        nodes = self.plan.topology.nodes
+        peers = {n.host: [[p.host, p.address] for p in nodes if p.host != n.host] for n in nodes}
+        result = self._run("states.yml", self.extravars(launch_peers=peers), skip=lost)
+        for host, items in result.ok.items():
+            for item in items:
+                if item.task != STATES_TASK or host not in monitor.hosts:
+                    continue
+                if isinstance(states := item.result.get("proc_states"), list):
+                    monitor.hosts[host].proc_states = states
+                if isinstance(reach := item.result.get("reach"), dict):
+                    monitor.hosts[host].reach = reach
+        early = diagnose(monitor, bundled=self.plan.runs_bundled_trainer)
+        then = (
+            "collecting stacks, then stopping every host"
+            if self.plan.runs_bundled_trainer
+            else "stopping every host"
+        )
+        if early is not None and early.cause.kind == "hung":
+            view.message(f"culprit: {node_text(early.summary)}; {then}")
+        else:
+            view.message(f"no rank stopped, blocked or gone; {then}")
+        return early
 
     def _diagnosed(
         self,

@@ -219,6 +219,10 @@ class HostState:
     #: At a stall, each rank's process state as the stop found it (node_ctl.process_states; hang.py
     #: names the culprit from them); None until a stop reported them.
     proc_states: list[Any] | None = None
+    #: At a stall, whether each peer answered this host's connect on the master port ({"port": N,
+    #: "peers": {host: `answers` | `no answer` | an error}}, node_ctl.reach_peers): a partial
+    #: partition's evidence (hang.find_partition).
+    reach: dict[str, Any] | None = None
 
     @property
     def failed(self) -> bool:

@@ -27,6 +27,7 @@ PLAYBOOKS = PurePosixPath(__file__).parent / "playbooks"
 LAUNCH_TASK = "Probe the node, start the trainer once every node passed, and follow it until it ends"
 WATCH_TASK = "Follow the trainer until it ends"
 STOP_TASK = "Stop the trainer's process group"
+STATES_TASK = "Read the ranks' process states"
 #: ansible-playbook's settings for every run of a launch. ansible.cfg of the current directory is not
 #: read for these playbooks, so what matters here is set outright. Forks (launch_env) bound concurrency
 #: only (Ansible starts a worker per host of a task, up to this many): the watch needs a worker per node
@@ -68,6 +69,7 @@ LAUNCH_VARS = frozenset(
         "launch_has_secrets",
         "launch_stacks",
         "launch_states",
+        "launch_peers",
         "launch_stop_record",
         "launch_tail",
         "launch_lock_request",
@@ -231,6 +233,9 @@ def launch_vars(
         "launch_stacks": False,
         # A stall: each node reports its ranks' process states before it stops them (hang.py).
         "launch_states": False,
+        # A stall's states read (states.yml): host -> its peers' [host, address], each tried on the
+        # master port (a partial partition: a node its peers' connects get no answer from).
+        "launch_peers": {},
         "launch_stop_record": {},
         "launch_tail": 20,
         "launch_lock_request": lock_request,

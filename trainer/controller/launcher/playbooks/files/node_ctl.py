@@ -5,7 +5,7 @@ process per step and node: the venv's python with a short bootstrap, and one JSO
 that carries this program's own text, so a node always runs the controller's version and nothing is
 copied first (one round trip per step, and no secret on a command line):
 
-    {"op": "lock" | "probe" | "check" | "start" | "status" | "stop" | "pids", ...}  ->  one JSON line
+    {"op": "lock" | "probe" | "check" | "start" | "status" | "states" | "stop" | "pids", ...} -> one line
 
 - lock (the head only): take, release or read the run's lock, `launch/lock` (one launcher per run
   name: a second launch is refused before its probe; see `lock`);
@@ -20,6 +20,10 @@ copied first (one round trip per step, and no secret on a command line):
 - status: state, exit record, the log's lines after the caller's offset (a long poll: it answers as
   soon as there is something new, or after `wait` seconds; with `quiet`, only the trainer's end
   cuts it short), each rank's progress;
+- states: each rank's process state (the kernel's, see process_states), read at a stall before the
+  stop, so that the culprit is named (and the stop's history record carries it) before the stacks and
+  the TERM; signals nothing; with `peers` and `port`, whether each peer answers a connect on the port
+  (reach_peers: a peer whose firewall drops the collective ports never answers);
 - stop: each rank's process state (`states`: the kernel's, see process_states) and the stacks of the
   trainer's ranks when asked (a stall), then TERM to run.sh's process group (a stopped process of the
   launch continued to take it) and KILL to whatever is left after the grace period.
@@ -806,6 +810,53 @@ def port_error(address: str, port: int) -> str:
     return ""
 
 
+#: How long a peer has to answer a connect at a stall (a SYN dropped by a firewall is never answered;
+#: a reachable peer answers within a round trip, with the connection or a refusal).
+REACH_TIMEOUT_S = 2.0
+
+
+def reach(address: str, port: int, timeout_s: float = REACH_TIMEOUT_S) -> str:
+    """Whether `address` answers a TCP connect on `port`: `answers` (connected, or refused: its kernel
+    sent the reset back, so the path is open), `no answer` (nothing came back within `timeout_s`: the
+    packets are dropped on the way or at the peer, a partial partition when SSH still works), or the
+    error (no route, ...)."""
+    import errno
+    import socket
+
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return "answers"
+    except ConnectionRefusedError:
+        return "answers"
+    except TimeoutError:
+        return "no answer"
+    except OSError as err:
+        if err.errno in (errno.ETIMEDOUT, errno.EINPROGRESS):
+            return "no answer"
+        return err.strerror or str(err)
+
+
+def reach_peers(peers: list, port: int) -> dict[str, str]:
+    """At a stall: each peer's (host, address) answer to a connect on `port` (reach), all at once, so
+    the whole check takes one timeout at most."""
+    import threading
+
+    answers: dict[str, str] = {}
+
+    def one(host: str, address: str) -> None:
+        answers[host] = reach(address, port)
+
+    threads = [
+        threading.Thread(target=one, args=(str(host), str(address)), daemon=True)
+        for host, address in peers[:256]
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(REACH_TIMEOUT_S + 5)
+    return answers
+
+
 def previous_state(node_dir: Path) -> str:
     """'running' if a trainer of this run's previous launch still runs on this node."""
     if _launch_id(node_dir) is None or _pid(node_dir) is None:
@@ -1121,6 +1172,11 @@ def serve(request: dict) -> int:
                 float(request.get("wait") or 0.0),
                 bool(request.get("quiet")),
             )
+        elif op == "states":
+            result = {"proc_states": process_states(Path(request["node_dir"]))}
+            if request.get("peers"):  # a partial partition: who answers this node on the port
+                port = int(request["port"])
+                result["reach"] = {"port": port, "peers": reach_peers(request["peers"], port)}
         elif op == "stop":
             node_dir = Path(request["node_dir"])
             # A stall's process states first: the stacks' SIGUSR1 and the stop change them.
