@@ -55,8 +55,13 @@ def _free_subnet() -> ipaddress.IPv4Network:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path, nodes: int = 2, cpus_per_node: int = 2) -> None:
+    def __init__(
+        self, root: Path, nodes: int = 2, cpus_per_node: int = 2, slurmd_timeout_s: int | None = None
+    ) -> None:
         self.root = root
+        # Slurm's SlurmdTimeout: how long a node's slurmd may not answer before the node is marked
+        # DOWN. None: Slurm's default (300 s); a test that kills a node sets it short.
+        self.slurmd_timeout_s = slurmd_timeout_s
         self.nodes = [f"sn{i}" for i in range(nodes)]
         self.cpus_per_node = cpus_per_node
         tag = f"{os.getpid() % 100000}"
@@ -199,6 +204,7 @@ class SlurmCluster:
             "MinJobAge=600",
             "KillWait=5",
             "InactiveLimit=0",
+            *([f"SlurmdTimeout={self.slurmd_timeout_s}"] if self.slurmd_timeout_s else []),
             *(
                 f"NodeName={name} NodeAddr={self.addresses[name]} CPUs={self.cpus_per_node} "
                 "RealMemory=1000 State=UNKNOWN"
@@ -258,6 +264,17 @@ class SlurmCluster:
         for namespace in self._created_namespaces:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         self._daemons, self._created_links, self._created_namespaces = [], [], []
+
+    def kill_node(self, name: str) -> int:
+        """The node lost: SIGKILL to every process in its network namespace (its slurmd, the steps'
+        slurmstepd and what they run); how many."""
+        pids = subprocess.run(
+            ["ip", "netns", "pids", self.namespaces[name]], capture_output=True, text=True, check=True
+        ).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        return len(pids)
 
     # --- jobs ----------------------------------------------------------------------------------
 

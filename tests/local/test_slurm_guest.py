@@ -139,7 +139,8 @@ def test_a_ranks_bad_data_is_named_with_its_host_and_rank_and_exits_2(slurm, sit
     short = site[1] / "short.txt"
     short.write_text("too short for one sample\n")
     done = subprocess.run(
-        ["salloc", "--nodes=2", *launch_command(site, "baddata", "--set", f"data.path={short}")],
+        # --max-restarts: bad input is never restarted (a restart would fail the same way).
+        ["salloc", "--nodes=2", *launch_command(site, "baddata", "--set", f"data.path={short}", "--max-restarts", "1")],  # noqa: E501
         capture_output=True, text=True, timeout=300, env=slurm.env, cwd=REPO,
     )  # fmt: skip
     output = done.stdout + done.stderr
@@ -151,6 +152,7 @@ def test_a_ranks_bad_data_is_named_with_its_host_and_rank_and_exits_2(slurm, sit
         json.loads(line) for line in (site[1] / "runs" / "baddata" / "launch" / "history.jsonl").open()
     ]
     assert [r["event"] for r in history] == ["launch", "stopped"], history
+    assert "not restarted: config error" in output and "restart 1 of 1" not in output, output[-6000:]
     cause = history[-1]["cause"]
     records = site[1] / "runs" / "baddata" / "launch" / f"node-{cause['node']}" / "progress"
     assert json.loads((records / f"exit-{cause['rank']}.json").read_text())["code"] == 2, (

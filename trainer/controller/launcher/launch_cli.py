@@ -132,13 +132,6 @@ def run(args: argparse.Namespace) -> int:
 def run_in_allocation(args: argparse.Namespace, job: str) -> int:
     """`trainer launch` inside the Slurm allocation `job`: the job on the allocation's nodes as one
     step of it (guest.py), the rest from the inventory and the command line as over SSH."""
-    if args.max_restarts:
-        print(
-            "trainer launch: --max-restarts is not supported inside a Slurm allocation yet; run without it "
-            "(a relaunch resumes from the latest checkpoint), or add --over-ssh to launch over SSH",
-            file=sys.stderr,
-        )
-        return exitcodes.CONFIG_ERROR
     try:
         configure_access(args)  # vault passwords (trainer.controller.access)
         cluster = slurm_allocation.guest_cluster(
@@ -154,7 +147,21 @@ def run_in_allocation(args: argparse.Namespace, job: str) -> int:
         )
     view = LiveView()
     install_signal_handlers(view)
-    return GuestLaunch(plan, watch_options(args, plan.runs_bundled_trainer), job).run(view, force=args.force)
+    # The same policy as over SSH, above attempts that are Slurm steps: a restart is a new step, a node
+    # left out is left off the next step's node list. No rejoin here yet.
+    if args.exclude_failed and not args.no_rejoin:
+        view.log("note: a node left out is not taken back inside a Slurm allocation (no rejoin there yet)")
+    launcher = GuestLaunch(plan, watch_options(args, plan.runs_bundled_trainer), job)
+    policy = RestartPolicy(
+        launcher,
+        view,
+        max_restarts=args.max_restarts,
+        exclude_failed=args.exclude_failed,
+        allow_batch_change=args.allow_batch_change,
+        replan=replanner(args, cluster),
+        inventory=str(args.inventory),
+    )
+    return policy.run(force=args.force)
 
 
 # --- the options and helpers `trainer attach` and `trainer up` share ------------------------------

@@ -88,6 +88,17 @@ def allocation_nodes(env: Mapping[str, str] = os.environ) -> list[SlurmNode]:
     return [SlurmNode(name, _ipv4(addresses.get(name, name))) for name in names]
 
 
+def node_states(names: list[str]) -> dict[str, str]:
+    """Slurm's state of each of `names` (scontrol's State=, e.g. ALLOCATED, DOWN+NOT_RESPONDING): one
+    call for all of them."""
+    states = {}
+    for line in slurm("scontrol", "show", "node", "--oneliner", ",".join(names)).splitlines():
+        fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+        if "NodeName" in fields:
+            states[fields["NodeName"]] = fields.get("State", "")
+    return states
+
+
 def _ipv4(address: str) -> str:
     try:
         return socket.gethostbyname(address)
@@ -121,8 +132,9 @@ def step_name(launch_id: str) -> str:
     return f"clustertrain-{launch_id}"
 
 
-def srun_argv(job: str, hosts: list[str], step_name: str, script: str) -> list[str]:
-    """The srun that runs `script` once on each of `hosts` (one task per node) as a step of `job`."""
+def srun_argv(job: str, hosts: list[str], step_name: str, script: str, *, overlap: bool = False) -> list[str]:
+    """The srun that runs `script` once on each of `hosts` (one task per node) as a step of `job`.
+    `overlap`: a restart's step, which may share the allocation's CPUs with the step before it."""
     return [
         "srun",
         f"--jobid={job}",
@@ -134,6 +146,11 @@ def srun_argv(job: str, hosts: list[str], step_name: str, script: str) -> list[s
         # A task that ends is not a reason for Slurm to end the others: run.sh records every node's
         # end and the launcher decides (its failure diagnosis names the cause, then it cancels).
         "--kill-on-bad-exit=0",
+        # A step with a task on a lost node stays listed (holding its CPUs on every node) after its
+        # other tasks ended, even once Slurm marks the node DOWN: without --overlap the restart's step
+        # waits for it for ever ("Requested nodes are busy"). Its tasks on the survivors have ended
+        # (the launcher waited for their exit records), and the run's lock keeps a second launch out.
+        *(["--overlap"] if overlap else []),
         "/bin/bash",
         script,
     ]

@@ -70,13 +70,13 @@ def step_script(plan: JobPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start_step(plan: JobPlan, job: str, launch_id: str) -> subprocess.Popen:
+def start_step(plan: JobPlan, job: str, launch_id: str, *, overlap: bool = False) -> subprocess.Popen:
     """srun of slurm-step.sh on every node of the plan, one task each, in a session of its own (a
     Ctrl-C is the launcher's to handle: it cancels the step itself). srun's own messages go to the
-    launch dir's slurm-step.log."""
+    launch dir's slurm-step.log. `overlap`: a restart's step (slurm_allocation.srun_argv)."""
     launch_dir = Path(plan.launch_dir)
     hosts = [n.host for n in plan.topology.nodes]
-    argv = srun_argv(job, hosts, step_name(launch_id), str(launch_dir / STEP_SCRIPT))
+    argv = srun_argv(job, hosts, step_name(launch_id), str(launch_dir / STEP_SCRIPT), overlap=overlap)
     with open(launch_dir / STEP_LOG, "ab") as log, open(os.devnull, "rb") as null:
         return subprocess.Popen(
             argv, stdin=null, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
