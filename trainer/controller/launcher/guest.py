@@ -158,15 +158,6 @@ class GuestLaunch:
         self.record.write(self.plan.launch_dir)
         return self._follow(step, view)
 
-    def run(self, view: LiveView, *, force: bool = False) -> int:
-        """One attempt, no restart; its exit code (the lock taken and released here)."""
-        try:
-            if force and (code := self.take_over_lock(view)) is not None:
-                return code
-            return self.attempt(view, {"event": "launch", "nodes": self.record.nodes}).code
-        finally:
-            self.release_lock(view)
-
     # --- one attempt ---------------------------------------------------------------------------------
 
     def _write_nodes(self, helper: ModuleType, record: dict[str, Any]) -> None:
