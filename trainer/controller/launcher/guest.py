@@ -289,6 +289,9 @@ class GuestLaunch:
                 step.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 view.message(f"the Slurm step {self.record.step} did not end; see squeue --steps")
+                # Cancelled already: its srun is not left behind this launcher, waiting on it.
+                step.kill()
+                step.wait(timeout=STEP_END_S)
         lost.update(self._slurm_lost([h for h in unended if h not in lost]))
         if lost and step.poll() is None:
             # srun waits for the lost node's task while Slurm lists the step, which may be for ever:
