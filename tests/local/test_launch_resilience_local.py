@@ -8,10 +8,11 @@ ssh returns when it cannot connect) or hangs (a stalled `hard` NFS mount) while 
 Its torchrun and trainer are the real ones, so node1's training is untouched: only the launcher's
 calls to the node misbehave.
 
-Five of these (marked bed_twin) make the assertions of a test on simulated nodes
+Six of these (marked bed_twin) make the assertions of a test on simulated nodes
 (test_launch_resilience_sim.py: a real sshd per node, its SSH blocked by iptables) and run only where
 simulated nodes cannot (`make test-fast`): the short and the long loss of a node, the killed trainer's
-restart, SIGHUP, and attach after kill -9. CI runs the simulated-node ones.
+restart, SIGHUP, attach after kill -9, and attach's restart within the launch's --max-restarts (one
+run on the simulated nodes carries these two). CI runs the simulated-node ones.
 """
 
 from __future__ import annotations
@@ -436,7 +437,7 @@ def test_sighup_stops_every_node(loopback, tmp_path):
 
 
 @pytest.mark.bed_twin(
-    "tests/local/test_launch_resilience_sim.py::test_attach_after_kill_9_follows_the_run_to_its_end"
+    "tests/local/test_launch_resilience_sim.py::test_attach_after_kill_9_follows_the_run_and_restarts_it_within_the_launchs_max_restarts"
 )
 def test_attach_follows_a_launch_whose_launcher_was_killed(loopback, tmp_path):
     inventory, shared = loopback
@@ -483,6 +484,9 @@ def test_attach_follows_a_launch_whose_launcher_was_killed(loopback, tmp_path):
     assert not list((tmp_path / "tmpdir").glob("clustertrain-runner-*"))
 
 
+@pytest.mark.bed_twin(
+    "tests/local/test_launch_resilience_sim.py::test_attach_after_kill_9_follows_the_run_and_restarts_it_within_the_launchs_max_restarts"
+)
 def test_attach_restarts_a_failed_run_within_the_launchs_max_restarts(loopback, tmp_path):
     inventory, shared = loopback
     env = run_env(tmp_path)

@@ -3,7 +3,9 @@ network namespace, an address and a real sshd each, reached over SSH as root bec
 user, as real hosts are): node 2's SSH blocked for less and for longer than the unreachable grace (an
 iptables DROP on port 22 in its own namespace, plus `ss -K` on its sshd so the open connection breaks
 at once), a rank stuck outside a collective, a killed worker trainer with --max-restarts, SIGHUP to
-the launcher, and `trainer attach` after `kill -9` of the launcher. One process per node.
+the launcher, and `trainer attach` after `kill -9` of the launcher (following the run and restarting
+it within the dead launch's --max-restarts, which the loopback tests showed apart). One process per
+node.
 
 These ran on the Molecule bed (5.5 min of CI's critical path). What they show is the launcher's
 behaviour over SSH towards nodes that train for real, and the simulated nodes have all of it: a real
@@ -219,15 +221,23 @@ def test_sighup_to_the_launcher_stops_every_node(cluster):
     assert not list(tmp.glob("clustertrain-runner-*")), "the private dirs were removed"
 
 
-def test_attach_after_kill_9_follows_the_run_to_its_end(cluster):
+def test_attach_after_kill_9_follows_the_run_and_restarts_it_within_the_launchs_max_restarts(cluster):
+    """One run carries both: attach takes over a run whose launcher died (status first says so), and
+    restarts it from its checkpoint when a trainer is killed, within the dead launch's --max-restarts."""
     run_name, output = "attached", output_of(cluster, "attached")
     tmp, env = private_tmpdir(cluster)
-    # Still running when status and attach come in (seconds after the kill at the step-4 checkpoint).
-    launcher = start(launch_command(cluster, run_name, "train.max_steps=50"), env)
+    launcher = start([*launch_command(cluster, run_name, "train.max_steps=24"), "--max-restarts", "1"], env)
     try:
         wait_for_checkpoint(launcher, output)
+        # n01's trainer held still until attach has adopted the run: the 24 steps could otherwise end
+        # before, leaving nothing to kill (the other ranks wait in their next all-reduce; a stopped
+        # process is still a running trainer to status).
+        victims = trainer_pids(cluster, 1)
+        assert victims, "n01's trainer is running"
+        for pid in victims:
+            os.kill(pid, signal.SIGSTOP)
     finally:
-        launcher.kill()  # -9: nothing of the launcher runs any more
+        launcher.kill()  # -9: nothing of the launcher runs any more; its --max-restarts 1 is left to attach
         launcher.wait()
     verb = [sys.executable, "-m", "trainer", "{verb}", "-i", str(cluster.inventory), "--run-name", run_name]
     status = subprocess.run(
@@ -239,15 +249,25 @@ def test_attach_after_kill_9_follows_the_run_to_its_end(cluster):
     assert f"launch {run_name}-" in status.stdout, status.stdout
     assert f"lock: held by trainer launch pid {launcher.pid} on " in status.stdout, status.stdout
     assert "(no longer running: a new launch needs --force)" in status.stdout, status.stdout
-    attach = subprocess.run(
-        [part.format(verb="attach") for part in verb], capture_output=True, text=True, env=env, timeout=1800
-    )
-    out = attach.stdout + attach.stderr
+    attach = start([part.format(verb="attach") for part in verb], env)
+    lock = output / "launch" / "lock"
+    deadline = time.monotonic() + 300
+    while not (lock.exists() and json.loads(lock.read_text() or "{}").get("pid") == attach.pid):
+        assert attach.poll() is None, attach.stdout.read() if attach.stdout else ""
+        assert time.monotonic() < deadline, "attach did not take the lock over within 300 s"
+        time.sleep(0.2)
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    out = finish(attach, timeout=1800)
     assert attach.returncode == 0, out
-    assert "step 50/50" in out and f"done: run {run_name} finished on all 3 node(s)" in out, out
-    assert json.loads((output / "summary.json").read_text())["final_step"] == 50
+    assert "this launch had --max-restarts 1 (0 used): attach restarts each node's run.sh" in out, out
+    assert "restart 1 of 1: killed by signal 9 (SIGKILL) (rank 1 on n01" in out and "from step-" in out, out
+    assert "step 24/24" in out and f"done: run {run_name} finished on all 3 node(s)" in out, out
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["resumed_from"] and summary["final_step"] == 24, summary
+    assert [r["event"] for r in history(output)][-2:] == ["stopped", "restart"], history(output)
     # The dead launcher's lock was adopted and released at the end: the next launch needs no --force.
     assert f"took over run {run_name}'s lock from trainer launch pid {launcher.pid}" in out, out
-    assert not (output / "launch" / "lock").exists()
+    assert not lock.exists(), "attach released the lock at the end"
     # The killed launcher's private dir (the run's files and secrets) was removed by a later run.
     assert not list(tmp.glob("clustertrain-runner-*"))
