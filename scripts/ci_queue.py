@@ -56,11 +56,11 @@ BEFORE = [("lint", ["make", "lint"])]
 HEAVY_FIRST: list[tuple[str, list[str]]] = [
     ("zero-resize", tests("local/test_ds_resize.py")),  # 19-23 min
     ("unit-node", tests("unit/node")),  # 18.0
-    # 10.2 (moved from the bed, where it took 5.5 min of the critical path)
+    # 10.2, and ~0.7 since its attach test also restarts (moved from the bed: 5.5 min of the critical path)
     ("launch-resilience-sim", tests("local/test_launch_resilience_sim.py")),
     ("unit-controller", tests("unit/controller")),  # 9.7
     ("finetune-engines", tests("local/test_finetune_engines.py")),  # 7.3
-    # 11.7 before its four loopback twins of launch-resilience-sim's tests left CI (bed_twin): ~7
+    # 11.7 before its five loopback twins of launch-resilience-sim's tests left CI (bed_twin): ~5.5
     ("launch-resilience", tests("local/test_launch_resilience_local.py")),
     # 7.4 before its two loopback twins of launch-sim's tests left CI (bed_twin): ~5.4
     ("launch", tests("local/test_launch_local.py", "local/test_launcher_forms_local.py")),
