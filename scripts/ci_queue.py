@@ -60,6 +60,8 @@ HEAVY_FIRST: list[tuple[str, list[str]]] = [
     ("launch-resilience-sim", tests("local/test_launch_resilience_sim.py")),
     ("unit-controller", tests("unit/controller")),  # 9.7
     ("finetune-engines", tests("local/test_finetune_engines.py")),  # 7.3
+    # new: trainer launch inside a real Slurm allocation; ~2 + ~6 at load 8-13 (the restarts' three runs)
+    ("slurm-guest", tests("local/test_slurm_guest.py", "local/test_slurm_guest_restarts.py")),
     # 11.7 before its five loopback twins of launch-resilience-sim's tests left CI (bed_twin): ~5.5
     ("launch-resilience", tests("local/test_launch_resilience_local.py")),
     # 7.4 before its two loopback twins of launch-sim's tests left CI (bed_twin): ~5.4
@@ -67,7 +69,8 @@ HEAVY_FIRST: list[tuple[str, list[str]]] = [
     ("fresh-install", ["scripts/testbed/fresh-install.sh"]),  # 4.8
     ("disk-full", tests("local/test_disk_full.py")),  # 4.5
     ("trainer-engines", tests("local/test_trainer_engines.py")),  # 4.3
-    ("node-loss-sim", tests("local/test_node_loss_sim.py")),  # 4.0 (moved from the bed: 95 s)
+    # 4.0 (moved from the bed: 95 s), and ~3 for the rejoin test (a lost node comes back)
+    ("node-loss-sim", tests("local/test_node_loss_sim.py")),
     ("launch-sim", tests("local/test_launch_sim.py")),  # 3.2 (moved from the bed: 54 s there)
     ("simulated-nodes", tests("local/test_launch_scale.py", "local/test_scale_costs.py")),  # 2.7
     ("health-and-forks", tests("local/test_health_training.py", "local/test_forks_memory.py")),  # 2.4
