@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from helpers.loopback import VENV
 from helpers.loopback_launch import TINY
 from helpers.slurm_cluster import SlurmCluster
+from helpers.slurm_site import guest_inventory
 
 from trainer import exitcodes
 
@@ -42,30 +42,7 @@ def slurm(tmp_path_factory):
 def site(tmp_path_factory) -> tuple[Path, Path]:
     """(inventory, shared dir): an inventory whose hosts Slurm replaces with the allocation's nodes; its
     shared dir, venv, processes per node and training_env are the job's."""
-    root = tmp_path_factory.mktemp("guest")
-    shared = root / "shared"
-    shared.mkdir()
-    inventory = root / "inventory"
-    (inventory / "group_vars" / "cluster").mkdir(parents=True)
-    hosts = {
-        "cluster": {
-            "children": {
-                "head": {"hosts": {"login-a": {"cluster_ip": "192.0.2.10", "cluster_accelerators": 0}}},
-                "workers": {"hosts": {"login-b": {"cluster_ip": "192.0.2.11", "cluster_accelerators": 0}}},
-            }
-        }
-    }
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    settings = {
-        "cluster_master_port": 29531,
-        "cluster_shared_dir": str(shared),
-        "training_venv": str(VENV),
-        "training_procs_per_node": 2,
-        "cluster_nccl_timeout_s": 120,
-        "training_env": {"HF_HOME": str(root / "hf")},
-    }
-    (inventory / "group_vars" / "cluster" / "all.yml").write_text(yaml.safe_dump(settings))
-    return inventory, shared
+    return guest_inventory(tmp_path_factory.mktemp("guest"), procs_per_node=2, master_port=29531)
 
 
 def launch_command(site: tuple[Path, Path], run_name: str, *args: str) -> list[str]:

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from helpers.loopback import VENV
 from helpers.loopback_launch import TINY, trainer_pids
 from helpers.slurm_cluster import SlurmCluster
+from helpers.slurm_site import guest_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 #: 20 steps, a checkpoint every 3 (TINY): a failure after step-3 leaves most of the run to resume.
@@ -45,30 +45,7 @@ def slurm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> tuple[Path, Path]:
     """(inventory, shared dir): one training process per node; Slurm's nodes replace the hosts."""
-    root = tmp_path_factory.mktemp("guest3")
-    shared = root / "shared"
-    shared.mkdir()
-    inventory = root / "inventory"
-    (inventory / "group_vars" / "cluster").mkdir(parents=True)
-    hosts = {
-        "cluster": {
-            "children": {
-                "head": {"hosts": {"login-a": {"cluster_ip": "192.0.2.10", "cluster_accelerators": 0}}},
-                "workers": {"hosts": {"login-b": {"cluster_ip": "192.0.2.11", "cluster_accelerators": 0}}},
-            }
-        }
-    }
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    settings = {
-        "cluster_master_port": 29533,
-        "cluster_shared_dir": str(shared),
-        "training_venv": str(VENV),
-        "training_procs_per_node": 1,
-        "cluster_nccl_timeout_s": 120,
-        "training_env": {"HF_HOME": str(root / "hf")},
-    }
-    (inventory / "group_vars" / "cluster" / "all.yml").write_text(yaml.safe_dump(settings))
-    return inventory, shared
+    return guest_inventory(tmp_path_factory.mktemp("guest3"), procs_per_node=1, master_port=29533)
 
 
 def submit(slurm: SlurmCluster, site: tuple[Path, Path], run_name: str, *args: str) -> str:

@@ -29,7 +29,7 @@ from trainer.controller.launcher.plan import (
     plan_from_args,
 )
 from trainer.controller.launcher.rejoin import REJOIN_PROBE_S, Rejoin
-from trainer.controller.launcher.restarts import RestartPolicy
+from trainer.controller.launcher.restarts import Attempts, RestartPolicy
 from trainer.controller.launcher.stall import STALL_FLOOR_S, STALL_STEP_FACTOR
 from trainer.controller.launcher.stop import stop_run
 from trainer.controller.launcher.wire import (
@@ -73,6 +73,27 @@ def replanner(args: argparse.Namespace, cluster: Cluster) -> Callable[[set[str],
     return lambda excluded, extra: plan_from_args(args, cluster, excluded, extra)
 
 
+def restart_policy(
+    args: argparse.Namespace,
+    cluster: Cluster,
+    launcher: Attempts,
+    view: LiveView,
+    rejoin: Rejoin | None = None,
+) -> RestartPolicy:
+    """The restart policy the command line asks for, above `launcher`'s attempts: the SSH Launcher's
+    or a Slurm allocation's steps (guest.py) alike."""
+    return RestartPolicy(
+        launcher,
+        view,
+        max_restarts=args.max_restarts,
+        exclude_failed=args.exclude_failed,
+        allow_batch_change=args.allow_batch_change,
+        replan=replanner(args, cluster),
+        inventory=str(args.inventory),
+        rejoin=rejoin,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "config_file", None):  # `trainer launch -i INV CONFIG`, as `trainer train CONFIG`
         if args.config and args.config != args.config_file:
@@ -113,17 +134,7 @@ def run(args: argparse.Namespace) -> int:
         rejoin = None
         if not args.no_rejoin:
             rejoin = Rejoin(plan, options, view, interval_s=args.rejoin_probe_interval)
-        policy = RestartPolicy(
-            launcher,
-            view,
-            max_restarts=args.max_restarts,
-            exclude_failed=args.exclude_failed,
-            allow_batch_change=args.allow_batch_change,
-            replan=replanner(args, cluster),
-            inventory=str(args.inventory),
-            rejoin=rejoin,
-        )
-        return policy.run(force=args.force)
+        return restart_policy(args, cluster, launcher, view, rejoin).run(force=args.force)
     finally:
         if early is not None:
             early.cancel()  # unused (an error, an interrupt): its ansible-playbook waits for nothing
@@ -152,16 +163,7 @@ def run_in_allocation(args: argparse.Namespace, job: str) -> int:
     if args.exclude_failed and not args.no_rejoin:
         view.log("note: a node left out is not taken back inside a Slurm allocation (no rejoin there yet)")
     launcher = GuestLaunch(plan, watch_options(args, plan.runs_bundled_trainer), job)
-    policy = RestartPolicy(
-        launcher,
-        view,
-        max_restarts=args.max_restarts,
-        exclude_failed=args.exclude_failed,
-        allow_batch_change=args.allow_batch_change,
-        replan=replanner(args, cluster),
-        inventory=str(args.inventory),
-    )
-    return policy.run(force=args.force)
+    return restart_policy(args, cluster, launcher, view).run(force=args.force)
 
 
 # --- the options and helpers `trainer attach` and `trainer up` share ------------------------------
