@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 from helpers.loopback import write_inventory
+from helpers.played_attempts import PlayedAttempts
 from rich.console import Console
 
 from trainer import exitcodes
@@ -266,11 +267,12 @@ def test_a_rank_gone_while_its_peers_wait_is_the_cause_only_where_ranks_are_numb
     assert find_hang({"head": ["x", {"state": 3}], "w1": None}, {"head": 0, "w1": 1}, {}) is None
 
 
-class HungOnce:
+class HungOnce(PlayedAttempts):
     """Attempts: the first hangs in state D on node1, the next (on what is left) succeeds."""
 
     def __init__(self, plan, cluster) -> None:
-        self.plan, self.cluster, self.plans = plan, cluster, []
+        super().__init__(plan)
+        self.cluster = cluster
 
     def attempt(self, view, record, **kwargs):
         if self.plans:
@@ -294,19 +296,6 @@ class HungOnce:
             monitor.apply(monitor.hosts["node0"], {"state": "running", "proc_states": []})
             diagnosis = diagnose(monitor, bundled=False)
         return Outcome(diagnosis.code, "failed", ["node1"], diagnosis.summary, True, diagnosis=diagnosis)
-
-    def use_plan(self, plan) -> None:
-        self.plan = plan
-        self.plans.append([n.host for n in plan.topology.nodes])
-
-    def new_launch(self) -> None:
-        pass
-
-    def take_over_lock(self, view):
-        return None
-
-    def release_lock(self, view) -> None:
-        pass
 
 
 def test_exclude_failed_leaves_a_node_at_fault_out_as_a_lost_one(tmp_path):

@@ -11,6 +11,7 @@ import dataclasses
 import io
 
 from helpers.loopback import write_inventory
+from helpers.played_attempts import PlayedAttempts
 from rich.console import Console
 
 from trainer import exitcodes
@@ -50,14 +51,14 @@ class Probes:
         return Probe()
 
 
-class Attempts:
+class Attempts(PlayedAttempts):
     """The first attempt loses node2; each later one, on 2 nodes, goes through steps 1-40 with a
     checkpoint every 10 and asks `grow` after each line, as the follow handlers do; on 3 nodes it is
     done, or (`fail_rejoin`) its start fails on node2."""
 
     def __init__(self, plan, *, fail_rejoin: bool = False, first: Outcome | None = None) -> None:
-        self.plan, self.fail_rejoin, self.first = plan, fail_rejoin, first
-        self.plans: list[list[str]] = []
+        super().__init__(plan)
+        self.fail_rejoin, self.first = fail_rejoin, first
         self.records: list[dict] = []
         self.grows: list[object] = []
 
@@ -88,19 +89,6 @@ class Attempts:
                     exitcodes.OK, "rejoin", latest_checkpoint=f"/shared/runs/r/checkpoints/step-{step}"
                 )
         return Outcome(exitcodes.OK, "done")
-
-    def use_plan(self, plan) -> None:
-        self.plan = plan
-        self.plans.append([n.host for n in plan.topology.nodes])
-
-    def new_launch(self) -> None:
-        pass
-
-    def take_over_lock(self, view):
-        return None
-
-    def release_lock(self, view) -> None:
-        pass
 
 
 def run_policy(tmp_path, answer: ProbeAnswer | None, **attempts):
