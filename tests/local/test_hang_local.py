@@ -131,9 +131,11 @@ def test_a_command_blocked_on_a_hung_mount_names_the_node_and_the_file(loopback,
     assert done.returncode == exitcodes.HUNG, out
     assert "in uninterruptible sleep — state D in fuse_" in out, out
     assert f", blocked in openat on {mount}/shard-1.bin (node1 (node 1), exit code 71)" in out, out
-    assert "hung: python (pid " in out and "(node1 (node 1), exit code 71)" in out, out
+    # The process by its command's name: the python that runs the tests (python or python3).
+    python = Path(sys.executable).name
+    assert f"hung: {python} (pid " in out and "(node1 (node 1), exit code 71)" in out, out
     assert "then: node0 (node 0): sleep (pid " in out, "the other node's process, its consequence"
-    assert out.index("culprit: python (pid ") < out.index("hung: python (pid "), out
+    assert out.index(f"culprit: {python} (pid ") < out.index(f"hung: {python} (pid "), out
     history = (shared / "runs" / "dstate" / "launch" / "history.jsonl").read_text().splitlines()
     stop = [r for r in map(json.loads, history) if r.get("event") == "stopped"][-1]
     assert (stop["why"], stop["hosts"], stop["cause"]["host"]) == ("hung", ["node1"], "node1"), stop
