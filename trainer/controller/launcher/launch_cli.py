@@ -145,9 +145,7 @@ def run_in_allocation(args: argparse.Namespace, job: str) -> int:
     step of it (guest.py), the rest from the inventory and the command line as over SSH."""
     try:
         configure_access(args)  # vault passwords (trainer.controller.access)
-        cluster = slurm_allocation.guest_cluster(
-            load_cluster(args.inventory), slurm_allocation.allocation_nodes()
-        )
+        cluster = slurm_allocation.allocation_cluster(args.inventory)
         plan = plan_from_args(args, cluster)
     except PlanningError as err:
         print(f"trainer launch: {err}", file=sys.stderr)

@@ -680,9 +680,7 @@ def run(args: argparse.Namespace) -> int:
         configure_access(args)  # sudo/vault passwords (trainer.controller.access)
         cluster = None
         if job is not None:  # `trainer launch` here runs the job on the allocation's nodes
-            cluster = slurm_allocation.guest_cluster(
-                load_cluster(args.inventory), slurm_allocation.allocation_nodes()
-            )
+            cluster = slurm_allocation.allocation_cluster(args.inventory)
         plan = plan_from_args(args, cluster)
     except PlanningError as err:
         print(f"trainer plan: {err}", file=sys.stderr)

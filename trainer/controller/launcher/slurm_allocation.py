@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from trainer.controller.inventory import Cluster, Host, PlanningError
+from trainer.controller.inventory import Cluster, Host, PlanningError, load_cluster
 from trainer.controller.inventory_rules import as_int
 
 #: Set by Slurm in an allocation (salloc, sbatch, srun): the launch runs its steps with srun there.
@@ -125,6 +125,12 @@ def guest_cluster(cluster: Cluster, nodes: list[SlurmNode], env: Mapping[str, st
         common["cluster_accelerators"] = gpus
     hosts = [Host(node.name, {**common, "cluster_ip": node.address}) for node in nodes]
     return Cluster(inventory=cluster.inventory, head=hosts[0], workers=tuple(hosts[1:]))
+
+
+def allocation_cluster(inventory: str) -> Cluster:
+    """The job `trainer launch` and `trainer plan` run inside this allocation: the inventory's settings
+    on the allocation's nodes (guest_cluster over allocation_nodes)."""
+    return guest_cluster(load_cluster(inventory), allocation_nodes())
 
 
 def step_name(launch_id: str) -> str:
