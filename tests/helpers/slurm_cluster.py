@@ -30,6 +30,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 BINARIES = ("munged", "slurmctld", "slurmd", "slurmstepd", "sbatch", "srun", "scontrol", "ip", "nsenter")
 PACKAGES = "slurmctld slurmd slurm-client munge iproute2"
 CTLD_PORT, SLURMD_PORT = 26817, 26818
@@ -309,3 +311,14 @@ class SlurmCluster:
             lines = path.read_text(errors="replace").splitlines()[-tail:]
             parts.append(f"--- {path.name}\n" + "\n".join(lines))
         return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def slurm_for_test(root: Path, nodes: int, **options):
+    """A test module's SlurmCluster (`options` as SlurmCluster takes them), or the test skipped saying
+    why one cannot run on this machine."""
+    why = SlurmCluster.unavailable()
+    if why:
+        pytest.skip(f"no Slurm test cluster: {why}")
+    with SlurmCluster(root, nodes=nodes, **options) as cluster:
+        yield cluster

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.loopback import VENV
-from helpers.slurm_cluster import SlurmCluster
+from helpers.slurm_cluster import SlurmCluster, slurm_for_test
 
 #: Only the tests marked slow below are slow (tests/local/conftest.py marks every test of a module
 #: here slow unless the module says this).
@@ -170,10 +170,7 @@ def test_bad_arguments_are_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    why = SlurmCluster.unavailable()
-    if why:
-        pytest.skip(f"no Slurm test cluster: {why}")
-    with SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2) as cluster:
+    with slurm_for_test(tmp_path_factory.mktemp("slurm"), nodes=2) as cluster:
         yield cluster
 
 

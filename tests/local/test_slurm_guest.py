@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from helpers.loopback import VENV
 from helpers.loopback_launch import TINY
-from helpers.slurm_cluster import SlurmCluster
+from helpers.slurm_cluster import SlurmCluster, slurm_for_test
 from helpers.slurm_site import guest_inventory
 
 from trainer import exitcodes
@@ -31,10 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    why = SlurmCluster.unavailable()
-    if why:
-        pytest.skip(f"no Slurm test cluster: {why}")
-    with SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2) as cluster:
+    with slurm_for_test(tmp_path_factory.mktemp("slurm"), nodes=2) as cluster:
         yield cluster
 
 

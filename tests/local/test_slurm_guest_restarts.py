@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from helpers.loopback import VENV
 from helpers.loopback_launch import TINY, trainer_pids
-from helpers.slurm_cluster import SlurmCluster
+from helpers.slurm_cluster import SlurmCluster, slurm_for_test
 from helpers.slurm_site import guest_inventory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,11 +34,8 @@ SLURMD_TIMEOUT_S = 15
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    why = SlurmCluster.unavailable()
-    if why:
-        pytest.skip(f"no Slurm test cluster: {why}")
     root = tmp_path_factory.mktemp("slurm3")
-    with SlurmCluster(root, nodes=3, slurmd_timeout_s=SLURMD_TIMEOUT_S) as cluster:
+    with slurm_for_test(root, nodes=3, slurmd_timeout_s=SLURMD_TIMEOUT_S) as cluster:
         yield cluster
 
 
