@@ -421,9 +421,10 @@ class JobMonitor:
         #: The last step rank 0 logged (`step N/M`).
         self.last_step: int | None = None
         self.first_step_at: float | None = None
-        #: How many complete checkpoints rank 0 announced in this attempt, and the last one's path.
+        #: How many complete checkpoints rank 0 announced in this attempt, the last one's path and step.
         self.checkpoints_seen = 0
         self.last_checkpoint = ""
+        self.last_checkpoint_step: int | None = None
         self.failed_at: float | None = None
         self.stall: Stall | None = None
         self.stalled_at: float | None = None
@@ -525,6 +526,7 @@ class JobMonitor:
                 elif saved := CHECKPOINT_LINE.match(line):
                     self.checkpoints_seen += 1
                     self.last_checkpoint = saved.group(1)
+                    self.last_checkpoint_step = int(saved.group(2))
         if hs.final and hs.state != "stopped":
             return
         state = report.get("state")

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from trainer.controller.launcher.live import CHECKPOINT_LINE, JobMonitor, LiveView, node_text
+from trainer.controller.launcher.live import JobMonitor, LiveView, node_text
 from trainer.controller.launcher.plan import JobPlan
 from trainer.controller.launcher.rejoin_probe import ProbeAnswer, RejoinProbe
 from trainer.controller.launcher.wire import WatchOptions
@@ -125,9 +125,8 @@ class Rejoin:
             return False
         if monitor.checkpoints_seen <= self._baseline:
             return False
-        saved = CHECKPOINT_LINE.match(f"checkpoint {monitor.last_checkpoint}")
-        last_step = monitor.step_rate.max_steps
-        return not (saved and last_step and int(saved.group(2)) >= last_step)
+        saved, last_step = monitor.last_checkpoint_step, monitor.step_rate.max_steps
+        return not (saved is not None and last_step and saved >= last_step)
 
     def hosts_back(self) -> list[str]:
         """The nodes back, in rank order."""
