@@ -4,6 +4,7 @@ conftest.py files add their markers (local/: slow, testbed/: testbed); other are
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 
 import pytest
@@ -15,6 +16,14 @@ import pytest
 # ignored signal is not), as under a terminal.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# One OpenMP thread for every process a test starts on this machine (torch reads it at import; torchrun
+# sets it only for several processes per node). The tests run many trainers at once on few cores (CI's
+# three workers, simulated nodes of one process each): where each took a thread per core, the idle
+# threads spun while others waited for the CPU. Three one-process ranks training 40 steps of the tiny
+# GPT on this 2-core machine took 33-37 s and 62-68 CPU-s that way, 10 s and 16 CPU-s with one thread.
+# Processes that reach a node through sshd (simulated nodes) get it from their inventory's training_env.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Ansible (imported in this process by the controller tests) replaces sys.intern with a patch object;
 # torch._dynamo, imported later by transformers in the fine-tuning tests, registers a polyfill for

@@ -198,6 +198,34 @@ def test_a_killed_worker_node_is_left_out_and_the_survivors_finish_like_a_run_st
     assert summary["final_step"] == 44 and summary["world_size"] == 3, summary
 
 
+def trainer_ranks(cluster, nodes: list[int]) -> list[int]:
+    """The bundled trainer's rank processes (not torchrun) running on those nodes."""
+    ranks = []
+    for node in nodes:
+        listed = subprocess.run(
+            ["ip", "netns", "pids", cluster.namespaces[node]], capture_output=True, text=True, check=True
+        )
+        for pid in map(int, listed.stdout.split()):
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                names = [arg.rsplit(b"/", 1)[-1] for arg in argv]
+                if b"trainer" in names and b"train" in names and b"torchrun" not in names:
+                    ranks.append(pid)
+    return ranks
+
+
+@contextlib.contextmanager
+def ranks_paused(cluster, nodes: list[int]) -> Iterator[None]:
+    """SIGSTOP the nodes' trainer ranks for the block, SIGCONT after (far under the 60 s stall floor)."""
+    ranks = trainer_ranks(cluster, nodes)
+    assert ranks, "the nodes train"
+    subprocess.run(["kill", "-STOP", *map(str, ranks)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["kill", "-CONT", *map(str, ranks)], check=False)
+
+
 def test_a_killed_node_that_comes_back_rejoins_the_run_at_a_checkpoint(cluster, tmp_path):
     """The comeback (issue 39): n02 killed mid-run is left out and the run goes on at 2 nodes; once its
     link is up again (its sshd answers) it passes its probe and the run grows back to 3 nodes at its
@@ -206,21 +234,26 @@ def test_a_killed_node_that_comes_back_rejoins_the_run_at_a_checkpoint(cluster, 
     victim = cluster.hosts[VICTIM]
     run_name = f"rejoin-{uuid.uuid4().hex[:6]}"
     run = cluster.shared / "runs" / run_name
-    # 80 steps, not 40: on a quiet machine the steps left after the node's return (10 a second) ran
-    # out before its probe and the next checkpoint (the last step's never grows back), and the run
-    # ended at 2 nodes.
-    sets = (*SETS[1:], "model.dropout=0", "train.max_steps=80")
+    sets = (*SETS[1:], "model.dropout=0", "train.max_steps=200")
     options = ("--max-restarts", "2", "--exclude-failed", "--rejoin-probe-interval", "3")
     launcher = LauncherOutput.start(launch(inventory_for(cluster, tmp_path), run_name, *options, sets=sets))
     try:
-        assert launcher.wait_for(r"^step (1[2-9])/80", timeout=900) is not None, launcher.text()[-4000:]
-        with lost_node(cluster, VICTIM):
-            lost = rf"restart 1 of 2: {victim} lost at step \d+; resuming on 2 nodes"
-            shrunk = launcher.wait_for(lost, 600)
-            assert shrunk is not None, launcher.text()[-4000:]
-            on_two = launcher.wait_for(r"^step \d+/80", 600, since=shrunk[0])
-            assert on_two is not None, launcher.text()[-4000:]
-        back_at = time.monotonic()  # its link up: the node answers again
+        assert launcher.wait_for(r"^step (1[2-9])/200", timeout=900) is not None, launcher.text()[-4000:]
+        with contextlib.ExitStack() as paused:
+            with lost_node(cluster, VICTIM):
+                lost = rf"restart 1 of 2: {victim} lost at step \d+; resuming on 2 nodes"
+                shrunk = launcher.wait_for(lost, 600)
+                assert shrunk is not None, launcher.text()[-4000:]
+                on_two = launcher.wait_for(r"^step \d+/200", 600, since=shrunk[0])
+                assert on_two is not None, launcher.text()[-4000:]
+                # The survivors wait while the node comes back and passes its probe: at 25 steps a
+                # second (a quiet machine, one thread per rank) the run otherwise ended before the
+                # probe, on 2 nodes (the last step's checkpoint never grows back, as designed). 200
+                # steps: the stop after the next checkpoint takes a second or two, 50 steps here.
+                paused.enter_context(ranks_paused(cluster, [0, 1]))
+            back_at = time.monotonic()  # its link up: the node answers again
+            probed = launcher.wait_for(rf"{victim} answers its probe again", 120, since=shrunk[0])
+        assert probed is not None, launcher.text()[-4000:]
         code = launcher.finish(timeout=900)
         out = launcher.text()
     finally:
@@ -245,10 +278,11 @@ def test_a_killed_node_that_comes_back_rejoins_the_run_at_a_checkpoint(cluster, 
     assert rejoin["gradient_accumulation_steps"] == 1, "the user's own batch split again"
     assert any(r["event"] == "stopped" and r["why"] == "rejoin" for r in records), records
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["final_step"] == 80 and summary["world_size"] == 3 and summary["num_nodes"] == 3, summary
+    assert summary["final_step"] == 200 and summary["world_size"] == 3 and summary["num_nodes"] == 3, summary
     assert summary["resumed_from"].endswith(grown.group(1)), summary
     index = next(i for i, line in enumerate(launcher.lines) if " is back: growing to 3 nodes" in line.text)
-    first = next(line for line in launcher.lines[index:] if re.match(r"^step \d+/80", line.text))
+    first = next((line for line in launcher.lines[index:] if re.match(r"^step \d+/200", line.text)), None)
+    assert first is not None, "steps on 3 nodes after the growth:\n" + out[-4000:]
     print(f"rejoin: from the node's return to the first step on 3 nodes: {first.at - back_at:.1f} s")
     # Where the time went: each phase's line in order after the shrink, from the node's return.
     at, times = shrunk[0], []
