@@ -48,7 +48,11 @@ def testbed(tmp_path):
         "training_procs_per_node": 1,
         "cluster_master_port": MASTER_PORT,
         "training_workdir": str(workdir),
-        "training_env": {"HF_HOME": f"{workdir}/hf-home", "WANDB_API_KEY": SECRET},
+        "training_env": {
+            **settings["training_env"],
+            "HF_HOME": f"{workdir}/hf-home",
+            "WANDB_API_KEY": SECRET,
+        },
     }
     (inventory / "group_vars" / "cluster" / "zz_command_test.yml").write_text(yaml.safe_dump(overrides))
     run_name = f"cmd-{tag}"

@@ -46,7 +46,7 @@ def testbed(tmp_path):
         "cluster_master_port": MASTER_PORT,
         "training_workdir": str(workdir),
         # accelerate's own default config would be read from here: empty, so only the launcher's counts.
-        "training_env": {"HF_HOME": f"{workdir}/hf-home", "HOLD_S": "3"},
+        "training_env": {**settings["training_env"], "HF_HOME": f"{workdir}/hf-home", "HOLD_S": "3"},
     }
     (inventory / "group_vars" / "cluster" / "zz_forms_test.yml").write_text(yaml.safe_dump(overrides))
     run_name = f"forms-{tag}"
