@@ -23,3 +23,7 @@ PREFLIGHT_FAILED = 4
 #: output_dir's file system is full (sysexits' EX_IOERR): the previous checkpoint is intact and stays
 #: `latest`; free space and run the same command again to resume.
 NO_SPACE = 74
+#: The run stopped at a checkpoint on request (SIGUSR2 to a rank: Slurm's `--signal=USR2@SECONDS`
+#: before a time limit or a preemption) and resumes where it stopped: run the same command again
+#: (inside a Slurm job, `trainer launch` requeues the job itself).
+STOPPED_AT_CHECKPOINT = 5

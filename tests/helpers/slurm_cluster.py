@@ -58,9 +58,17 @@ def _free_subnet() -> ipaddress.IPv4Network:
 
 class SlurmCluster:
     def __init__(
-        self, root: Path, nodes: int = 2, cpus_per_node: int = 2, slurmd_timeout_s: int | None = None
+        self,
+        root: Path,
+        nodes: int = 2,
+        cpus_per_node: int = 2,
+        slurmd_timeout_s: int | None = None,
+        cred_expire_s: int | None = None,
     ) -> None:
         self.root = root
+        # AuthInfo's cred_expire: also how long a requeued job waits before it may start again. None:
+        # Slurm's default (120 s); a test that requeues a job sets it short.
+        self.cred_expire_s = cred_expire_s
         # Slurm's SlurmdTimeout: how long a node's slurmd may not answer before the node is marked
         # DOWN. None: Slurm's default (300 s); a test that kills a node sets it short.
         self.slurmd_timeout_s = slurmd_timeout_s
@@ -183,7 +191,8 @@ class SlurmCluster:
             f"SlurmdPort={SLURMD_PORT}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            f"AuthInfo=socket={self.munge_socket}"
+            + (f",cred_expire={self.cred_expire_s}" if self.cred_expire_s else ""),
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={state}",

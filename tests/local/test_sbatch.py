@@ -106,6 +106,33 @@ def test_scripts_are_valid_bash_and_carry_the_job(tmp_path):
     assert subprocess.run(["bash", "-n", str(tmp_path / "node.sh")], capture_output=True).returncode == 0
 
 
+def test_the_bundled_trainer_is_warned_before_the_time_limit_and_your_command_is_not(tmp_path):
+    inventory, _, _ = inventory_for_slurm(tmp_path)
+    scripts = {}
+    for name, args in (
+        ("default", []),
+        ("longer", ["--warning-seconds", "300"]),
+        ("off", ["--warning-seconds", "0"]),
+        ("own", ["--", "python", "train.py"]),
+    ):
+        target = tmp_path / f"{name}.sbatch"
+        done = sbatch("-i", str(inventory), "--run-name", name, "-o", str(target), *sets(), *args)
+        assert done.returncode == 0, done.stderr
+        scripts[name] = target.read_text()
+    asked = "#SBATCH --signal=USR2@120\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
+    script = scripts["default"]
+    # sbatch reads #SBATCH lines only before the script's first command.
+    assert asked in script and script.index(asked) < script.index("set -euo pipefail"), script
+    assert "#SBATCH --signal=USR2@300\n" in scripts["longer"]
+    node_sh = script.split("node.sh <<'CLUSTERTRAIN_EOF'\n", 1)[1].split("\nCLUSTERTRAIN_EOF\n", 1)[0]
+    # node.sh and torchrun live through the signal; the trainer's ranks take it.
+    assert node_sh.index("trap '' USR2") < node_sh.index("/torchrun"), node_sh
+    for unwarned in ("off", "own"):
+        assert "#SBATCH --signal" not in scripts[unwarned] and "#SBATCH --requeue" not in scripts[unwarned]
+    # Your own command gets SIGUSR2 as it is (it may handle it; a shell that inherits it ignored cannot).
+    assert "trap '' USR2" not in scripts["own"]
+
+
 def test_gpu_nodes_ask_slurm_for_their_gpus(tmp_path):
     target = tmp_path / "gpu.sbatch"
     done = sbatch("--nodes", "4", "--gpus-per-node", "8", "--shared-dir", str(tmp_path), "-o", str(target))
@@ -159,6 +186,8 @@ def test_bad_arguments_are_refused(tmp_path):
         (["--nodes", "2"], "CPU nodes need --procs-per-node"),
         ([], "give -i INVENTORY, or --nodes N"),
         (["-i", str(inventory), "--env", "MASTER_ADDR=x"], "MASTER_ADDR is set by the launcher"),
+        (["-i", str(inventory), "--warning-seconds", "-1"], "--warning-seconds must be 0 to 65535, not -1"),
+        (["-i", str(inventory), "--warning-seconds", "70000"], "--warning-seconds must be 0 to 65535"),
     ):
         done = sbatch(*args, "-o", str(tmp_path / "x.sbatch"))
         assert done.returncode == 2 and expected in done.stderr, (args, done.stderr)

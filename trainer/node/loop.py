@@ -10,7 +10,9 @@ costs a collective per step. A callback that only watches (progress for the laun
 Nothing in a step waits for the device (trainer.node.speedups: async_loss): the engine's loss stays a
 tensor on the device, read on logged and saved steps only, and on a GPU the per-step checks' vote is
 all-reduced on the device and read one step later, by which time it is there: a stop comes one step
-after the check that asked for it, on every rank at the same step, and before any checkpoint.
+after the check that asked for it, on every rank at the same step, and before any checkpoint, except
+STOPPED_AT_CHECKPOINT (trainer.node.save_request: SIGUSR2, a scheduler's warning before the job's
+end), which saves that step first and then stops.
 
 torch is imported inside functions.
 """
@@ -87,6 +89,8 @@ class Trainer:
     its own (trainer.node.progress.Progress.announced)."""
     run_facts: dict[str, Any] = field(default_factory=dict)
     steps_this_run: int = 0
+    stopped_at: int = 0
+    """The step saved and stopped at on request (STOPPED_AT_CHECKPOINT), 0 otherwise."""
 
     def train(self) -> int:
         train = self.train_config
@@ -132,6 +136,11 @@ class Trainer:
                 last = step == train.max_steps
                 saving = last or bool(self.save_steps and step % self.save_steps == 0)
                 code = self._after_step(result, vote, final=saving)
+                stop_after_save = False
+                if code == exitcodes.STOPPED_AT_CHECKPOINT:
+                    # Asked to save and stop (a scheduler's warning): this step is saved, then the run
+                    # stops; at the last step it simply ends.
+                    stop_after_save, saving, code = not last, True, exitcodes.OK
                 if code:
                     self.reporter.info(f"stopping at step {step}: a per-step check returned exit code {code}")
                     return code
@@ -176,6 +185,13 @@ class Trainer:
                         loss = self._global_loss(float(local_loss))
                     self._save(step, loss)
                     interval_start = time.perf_counter()  # checkpoint time is not training throughput
+                if stop_after_save:
+                    self.stopped_at = step
+                    self.reporter.info(
+                        f"stopping at step {step} after its checkpoint, as a signal asked (exit code "
+                        f"{exitcodes.STOPPED_AT_CHECKPOINT}: the same command resumes from it)"
+                    )
+                    return exitcodes.STOPPED_AT_CHECKPOINT
         finally:
             self.reporter.close()
         self._summarize(loss, time.perf_counter() - started, start)
@@ -193,7 +209,7 @@ class Trainer:
     def _after_step(self, result: StepResult, vote: _StopVote, *, final: bool) -> int:
         """Run the per-step checks; every rank returns the same code (the highest any rank raised),
         on a GPU under async_loss one step later, and at once where `final` (a checkpoint or the end
-        follows: nothing is saved past a stop)."""
+        follows: nothing is saved past a stop, but STOPPED_AT_CHECKPOINT's, which saves first)."""
         if not self.hooks:
             return exitcodes.OK
         code = next((c for hook in self.hooks if (c := hook(result))), exitcodes.OK)

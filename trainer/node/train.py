@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import exitcodes
 from trainer.joblock import LOCK_FILE, JobLock, Locked, job_from_env
-from trainer.node import distributed, exit_record, speedups
+from trainer.node import distributed, exit_record, save_request, speedups
 from trainer.node.accelerators import AcceleratorMismatch, check_visible_gpus
 from trainer.node.checkpoint import (
     CheckpointWriter,
@@ -310,6 +310,8 @@ def train(
 
     job: what is trained (trainer.node.job: the built-in GPT, or a Hugging Face fine-tune when
     model.name_or_path is set), prepared by `_run`."""
+    # SIGUSR2 saves and stops (a scheduler's warning before the job's end), from here on.
+    save_request.install()
     topology = distributed.discover(config.distributed.backend)
     output_dir = Path(config.output_dir)
     reporter = Reporter(
@@ -345,13 +347,14 @@ def train(
             reporter,
             repeats=repeats,
             resume_from=resume_from,
-            hooks=(*(hooks or ()), *health.step_hooks(on_gpu=on_gpu)),
+            hooks=(*(hooks or ()), save_request.hook, *health.step_hooks(on_gpu=on_gpu)),
             on_step_start=progress.started,
             on_step_end=progress.step_done,
             announce=progress.announced,
         )
         code = trainer.train()
         _note_gpu_fault(code, health)
+        _note_requested_stop(code, trainer.stopped_at)
         if code == exitcodes.OK:
             final = job.save_final(
                 trainer.engine, output_dir, is_main=topology.is_main, trained=bool(trainer.steps_this_run)
@@ -603,6 +606,15 @@ def _note_gpu_fault(code: int, health: HealthMonitor) -> None:
         )
     else:
         exit_record.note("stopped because another rank's GPU tripped the health check", consequence=True)
+
+
+def _note_requested_stop(code: int, step: int) -> None:
+    """The exit record's reason when the run saved and stopped on request (not a failure: the launcher
+    reads the code and resumes, or requeues a Slurm job)."""
+    if code != exitcodes.STOPPED_AT_CHECKPOINT:
+        return
+    how = "as SIGUSR2 asked" if save_request.requested() else "as another rank's SIGUSR2 asked"
+    exit_record.note(f"stopped at step {step} after its checkpoint, {how}")
 
 
 def _failure(

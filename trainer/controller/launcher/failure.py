@@ -9,6 +9,9 @@ own exit code:
   command, a rank killed by a signal) the node's exit code with the rank from its error file or
   torchrun's summary;
 - `gpu_fault`: the health check's GPU_FAULT line, where no rank's exit record says it;
+- `saved`: no failure: a rank's exit record with STOPPED_AT_CHECKPOINT, the trainer saved and stopped
+  as a signal asked (trainer.node.save_request: a scheduler's warning before the job's end); the
+  restart policy does not restart it, the launch resumes it (a Slurm job is requeued);
 - `stall`: no rank advanced (or no node printed) for --stall-timeout;
 - `hung`: a stall whose culprit the kernel names (hang.py: a rank stopped, in uninterruptible sleep,
   or gone while its peers wait; exit code HUNG), each other rank a `waiting` consequence.
@@ -54,6 +57,7 @@ KIND_WORDS = {
     "hung": "hung",
     "waiting": "waiting",
     "world": "no single job",
+    "saved": "stopped at a checkpoint on request",
 }
 
 
@@ -64,7 +68,7 @@ class Event:
     node_rank: int
     kind: str
     """lost | exit | killed | gpu_fault | stall | hung | waiting (a hung rank's peer) | world (a user's
-    command formed no single job)"""
+    command formed no single job) | saved (a requested stop at a checkpoint: no failure)"""
     code: int
     """The exit code this event stands for: the rank's own, NODE_LOST for a lost node."""
     message: str
@@ -122,9 +126,14 @@ class Diagnosis:
         return self.head in self.lost
 
     @property
+    def requested_stop(self) -> bool:
+        """The run saved and stopped as a signal asked (STOPPED_AT_CHECKPOINT): no rank failed."""
+        return self.cause.kind == "saved"
+
+    @property
     def restartable(self) -> bool:
         """A restart could succeed: not bad input (config, data, sizing, disk full), not the head gone."""
-        if self.head_lost or self.cause.kind == "world":
+        if self.head_lost or self.cause.kind in ("world", "saved"):
             return False
         return not (self.bundled and self.cause.kind == "exit" and self.cause.code in NOT_RESTARTABLE)
 
@@ -160,6 +169,8 @@ class Diagnosis:
             return f"{cause.where} hung"
         if cause.kind == "world":
             return "the world check"
+        if cause.kind == "saved":
+            return f"{cause.where} stopped at a checkpoint on request"
         return f"{cause.where} {'was killed' if cause.kind == 'killed' else 'failed'}"
 
     def as_record(self) -> dict[str, Any]:
@@ -191,7 +202,8 @@ class Outcome:
     """The cause's own exit code (failure.Diagnosis.code), 0 when done."""
     kind: str
     """done | failed | interrupted | stopped (by `trainer stop`) | locked | start_failed | watch_failed |
-    rejoin (stopped at a checkpoint to grow back to nodes left out: rejoin.py)"""
+    rejoin (stopped at a checkpoint to grow back to nodes left out: rejoin.py) | saved (the trainer
+    saved and stopped as a signal asked, exit STOPPED_AT_CHECKPOINT: no failure)"""
     hosts: list[str] = field(default_factory=list)
     """The hosts to blame (the cause's host; a stall's hosts that were behind)."""
     reason: str = ""
@@ -254,13 +266,14 @@ def _rank_events(hs: HostState, ranks: range | None, now: float) -> list[Event]:
         rank = int(record["rank"])
         message = printable(str(record.get("message") or f"exit code {record.get('code')}"))
         error = errors.pop(rank, None)
+        code = int(record.get("code") or exitcodes.FAILURE)
         events.append(
             Event(
                 float(record.get("time") or hs.exit_time or now),
                 hs.host,
                 hs.node_rank,
-                "exit",
-                int(record.get("code") or exitcodes.FAILURE),
+                "saved" if code == exitcodes.STOPPED_AT_CHECKPOINT else "exit",
+                code,
                 message,
                 rank,
                 consequence=exit_is_consequence(record),
@@ -462,6 +475,9 @@ def render(
     the cause's traceback pointer and log lines (and a stall's stacks)."""
     cause = diagnosis.cause
     fault = monitor.hosts[cause.host].gpu_fault if cause.code == exitcodes.GPU_FAULT else None
+    if diagnosis.requested_stop:  # no failure: the restart policy says what follows
+        view.message(f"[yellow]stopped on request[/yellow]: {escape(diagnosis.summary)}")
+        return
     if cause.kind in ("stall", "hung"):
         _render_stall(diagnosis, monitor, view, stall_timeout_s, stacks or {})
     elif fault:

@@ -17,8 +17,12 @@ one policy. A restart is a new srun step; a node left out is left off the next s
 node is lost when Slurm says so: after the stop, a node that never recorded its end while Slurm marks
 it DOWN, NOT_RESPONDING or FAIL (its slurmd gone: Slurm's own SlurmdTimeout decides when).
 
-Not yet here (issue 40's later slices): taking a lost node back (rejoin), the preemption signal, a
-launch from a login node that submits its own allocation.
+A run that stopped at a checkpoint as Slurm's warning signal asked (--signal=USR2@SECONDS: the
+trainer's exit STOPPED_AT_CHECKPOINT) ends the attempt as `saved`, no failure; the restart policy
+hands it to slurm_requeue.py, which requeues the job.
+
+Not yet here (issue 40's later slices): taking a lost node back (rejoin), a launch from a login node
+that submits its own allocation.
 """
 
 from __future__ import annotations
@@ -245,7 +249,9 @@ class GuestLaunch:
             )
             return Outcome(exitcodes.INTERRUPTED, "stopped", [], "stopped by trainer stop")
         early = diagnose(monitor, bundled=plan.runs_bundled_trainer)
-        if early is not None:
+        if early is not None and early.requested_stop:
+            self._let_end(step, monitor, offsets)
+        elif early is not None:
             view.message(f"{early.cause_phrase}; cancelling the Slurm step on every node")
         why = (
             {
@@ -259,6 +265,17 @@ class GuestLaunch:
         )
         self._stop(step, monitor, offsets, view, why)
         return self._diagnosed(monitor, view)
+
+    def _let_end(self, step: subprocess.Popen, monitor: JobMonitor, offsets: dict[str, int | None]) -> None:
+        """A stop on request (the trainer saved and stopped): every rank stops at the same step, so the
+        nodes still running are let end on their own (up to the stop grace) before the step is cancelled,
+        never stopped while their ranks leave the process group."""
+        deadline = time.monotonic() + self.options.stop_grace_s
+        while step.poll() is None and time.monotonic() < deadline:
+            if all(hs.final for hs in monitor.ordered):
+                break
+            time.sleep(self.options.poll_interval_s)
+            self._apply(monitor, node_reports(self.plan, self.record.nodes, offsets, True))
 
     def _stop(
         self,
@@ -332,7 +349,7 @@ class GuestLaunch:
         stall = monitor.stall
         return Outcome(
             diagnosis.code,
-            "failed",
+            "saved" if diagnosis.requested_stop else "failed",
             sorted({host for host, _, _ in stall.behind})
             if stall is not None and diagnosis.cause.kind == "stall"
             else [diagnosis.cause.host],

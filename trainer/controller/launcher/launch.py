@@ -581,7 +581,7 @@ class Launcher:
         cause = diagnosis.cause
         return Outcome(
             diagnosis.code,
-            "failed",
+            "saved" if diagnosis.requested_stop else "failed",
             sorted({host for host, _, _ in stall.behind})
             if stall is not None and cause.kind == "stall"
             else [cause.host],

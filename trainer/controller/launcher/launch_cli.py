@@ -8,6 +8,7 @@ following a launch and restarting it are `trainer attach`'s and `trainer up`'s t
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from trainer.controller import forks
 from trainer.controller.access import configure_access
 from trainer.controller.inventory import Cluster, PlanningError, load_cluster
 from trainer.controller.launcher import slurm_allocation
+from trainer.controller.launcher.failure import Outcome
 from trainer.controller.launcher.guest import GuestLaunch
 from trainer.controller.launcher.launch import Launcher
 from trainer.controller.launcher.live import LiveView
@@ -30,6 +32,7 @@ from trainer.controller.launcher.plan import (
 )
 from trainer.controller.launcher.rejoin import REJOIN_PROBE_S, Rejoin
 from trainer.controller.launcher.restarts import Attempts, RestartPolicy
+from trainer.controller.launcher.slurm_requeue import requeue_after_save
 from trainer.controller.launcher.stall import STALL_FLOOR_S, STALL_STEP_FACTOR
 from trainer.controller.launcher.stop import stop_run
 from trainer.controller.launcher.wire import (
@@ -79,6 +82,7 @@ def restart_policy(
     launcher: Attempts,
     view: LiveView,
     rejoin: Rejoin | None = None,
+    after_saved: Callable[[Outcome], None] | None = None,
 ) -> RestartPolicy:
     """The restart policy the command line asks for, above `launcher`'s attempts: the SSH Launcher's
     or a Slurm allocation's steps (guest.py) alike."""
@@ -91,6 +95,7 @@ def restart_policy(
         replan=replanner(args, cluster),
         inventory=str(args.inventory),
         rejoin=rejoin,
+        after_saved=after_saved,
     )
 
 
@@ -156,12 +161,17 @@ def run_in_allocation(args: argparse.Namespace, job: str) -> int:
         )
     view = LiveView()
     install_signal_handlers(view)
+    # The trainer's save-and-stop request (trainer.node.save_request): a `--signal=B:USR2` or `scancel
+    # --full` that reaches this batch shell too must not end the launcher that follows the run.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     # The same policy as over SSH, above attempts that are Slurm steps: a restart is a new step, a node
     # left out is left off the next step's node list. No rejoin here yet.
     if args.exclude_failed and not args.no_rejoin:
         view.log("note: a node left out is not taken back inside a Slurm allocation (no rejoin there yet)")
     launcher = GuestLaunch(plan, watch_options(args, plan.runs_bundled_trainer), job)
-    return restart_policy(args, cluster, launcher, view).run(force=args.force)
+    # A run stopped at a checkpoint by Slurm's warning signal: the job is requeued (slurm_requeue.py).
+    requeue = functools.partial(requeue_after_save, plan, job, view)
+    return restart_policy(args, cluster, launcher, view, after_saved=requeue).run(force=args.force)
 
 
 # --- the options and helpers `trainer attach` and `trainer up` share ------------------------------

@@ -34,6 +34,7 @@ from rich.text import Text
 from trainer.controller.launcher.rank_output import RankOutput
 from trainer.controller.launcher.stall import stall_bound
 from trainer.controller.launcher.world import WorldCheck
+from trainer.exitcodes import STOPPED_AT_CHECKPOINT
 from trainer.peer_loss import is_peer_loss
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)")
@@ -350,6 +351,12 @@ def describe(hs: HostState) -> str:
         return f"lost (no answer since {since})"
     if hs.state == "running" and hs.detail:
         return f"running {hs.detail}"
+    if (
+        hs.state == "failed"
+        and hs.rank_exits
+        and all(r.get("code") == STOPPED_AT_CHECKPOINT for r in hs.rank_exits)
+    ):  # torchrun's own exit is 1 whatever its ranks' codes: theirs say they saved and stopped
+        return "stopped at a checkpoint on request"
     if hs.state == "failed":
         return f"failed ({hs.detail})" if hs.detail else "failed"
     return hs.state

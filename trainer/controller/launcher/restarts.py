@@ -24,6 +24,10 @@ never). A node
 whose start fails at its rejoin is left out again, without a restart, and not probed again. A node
 left out for what it did while it still answered (failing twice, a rank stuck in the kernel there) is
 not probed: it would answer at once, and taken back it would fail the same way.
+A run that stopped at a checkpoint on request (outcome `saved`: the trainer's exit
+STOPPED_AT_CHECKPOINT, a scheduler's warning before the job's end) is not a failure and uses no
+restart: the attempts end there, and once the lock is released `after_saved` goes on with it (a Slurm
+job is requeued: slurm_requeue.py), or the line says to run the same command again.
 Every restart is a line on the screen and a record in `<run>/launch/history.jsonl`, naming the cause,
 what changed and the checkpoint it resumes from. A node left out is used again at the next
 `trainer launch` of the run (the plan is made from the inventory each time).
@@ -62,6 +66,13 @@ class BatchSplit:
     @property
     def effective(self) -> int:
         return self.micro_batch_size * self.accumulation * self.world
+
+
+def saved_line(outcome: Outcome) -> str:
+    """`checkpointed at step 37 on request (exit code 5)`: what a `saved` outcome wrote."""
+    step = outcome.latest_checkpoint.rstrip("/").rsplit("/", 1)[-1].removeprefix("step-")
+    where = f"step {step}" if step.isdigit() else "its latest checkpoint"
+    return f"checkpointed at {where} on request (exit code {outcome.code})"
 
 
 def keep_batch(effective: int, micro_batch_size: int, world: int) -> BatchSplit | None:
@@ -121,6 +132,7 @@ class RestartPolicy:
         restarts_used: int = 0,
         inventory: str = "INVENTORY",
         rejoin: Rejoin | None = None,
+        after_saved: Callable[[Outcome], None] | None = None,
     ) -> None:
         self.launcher = launcher
         self.view = view
@@ -145,6 +157,11 @@ class RestartPolicy:
         #: Times the run grew back (counted apart from the restarts), and the hosts the last one took in.
         self.rejoins = 0
         self.rejoining: list[str] = []
+        #: How the run goes on once it stopped at a checkpoint on request (outcome `saved`), called after
+        #: the lock is released: slurm_requeue.py requeues a Slurm job; None says how to resume.
+        self.after_saved = after_saved
+        #: The attempt that stopped at a checkpoint on request, if the last one did.
+        self.saved: Outcome | None = None
 
     def state(self) -> RestartState:
         """What launch.json records of the policy (`trainer attach` goes on with it)."""
@@ -168,7 +185,7 @@ class RestartPolicy:
         try:
             if force and (code := launcher.take_over_lock(view)) is not None:
                 return code
-            return self.go_on()
+            code = self.go_on()
         except KeyboardInterrupt:
             # Between two attempts (each stops its nodes itself): nothing of this run is running.
             view.message(f"interrupted between two attempts: nothing of run {self.plan.run_name} runs")
@@ -180,6 +197,9 @@ class RestartPolicy:
             raise
         finally:
             launcher.release_lock(view)
+        if self.saved is not None:  # the lock released first: a requeued job's launch takes it at once
+            (self.after_saved or self._say_how_to_resume)(self.saved)
+        return code
 
     def go_on(self, first: Outcome | None = None) -> int:
         """The attempts; with `first`, the outcome of one already made (`trainer attach`'s)."""
@@ -192,6 +212,9 @@ class RestartPolicy:
             if outcome.kind == "rejoin":
                 record = self._grow_back()
                 continue
+            if outcome.kind == "saved":  # asked for (a scheduler's warning): not a failure to restart
+                self.saved = outcome
+                return outcome.code
             if outcome.code in (exitcodes.OK, exitcodes.INTERRUPTED) or outcome.kind == "locked":
                 return outcome.code
             step = self._next_step(outcome)
@@ -485,6 +508,12 @@ class RestartPolicy:
         if free:
             return f"[yellow]{what}[/yellow]; {resume}{details}; no restart used (a lost node is left out)"
         return f"[yellow]restart {self.restarts} of {self.max_restarts}[/yellow]: {what}; {resume}{details}"
+
+    def _say_how_to_resume(self, outcome: Outcome) -> None:
+        self.view.message(
+            f"[yellow]{saved_line(outcome)}[/yellow]: run the same `trainer launch` again (same --run-name) "
+            f"to resume from {self._checkpoint_name() or 'it'}"
+        )
 
     def _checkpoint_name(self) -> str:
         return self.latest_checkpoint.rstrip("/").rsplit("/", 1)[-1] or self.latest_checkpoint

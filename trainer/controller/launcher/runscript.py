@@ -23,6 +23,15 @@ IFACE = "@CLUSTERTRAIN_IFACE@"
 IB_DISABLE = "@CLUSTERTRAIN_IB_DISABLE@"
 #: Where the bundled trainer's ranks write their progress (trainer.node.progress reads this name).
 PROGRESS_VARIABLE = "CLUSTERTRAIN_PROGRESS_DIR"
+#: Shell lines before the bundled trainer starts: SIGUSR2 asks its ranks for a checkpoint and a stop
+#: (trainer.node.save_request), and Slurm's --signal=USR2@SECONDS sends it to every process of the step,
+#: this shell and torchrun too, which its default action would kill. Ignored here, it stays ignored
+#: across fork and exec (torchrun, its workers' interpreters) until each rank installs its handler.
+SAVE_SIGNAL_IGNORED = (
+    "# SIGUSR2 is the trainer's save-and-stop request (Slurm sends it to every process before the job's",
+    "# end): ignored by this shell and torchrun; each rank takes it with a handler of its own.",
+    "trap '' USR2",
+)
 
 
 def node_dir(plan: JobPlan, node: Node) -> str:
@@ -61,6 +70,8 @@ def run_script(plan: JobPlan, node: Node, host: str) -> str:
             "# each rank's error.json lands (the launcher names the root cause from them).",
             'export PET_RDZV_ID="$(cat launch-id)"',
         ]
+    if plan.runs_bundled_trainer:
+        lines += SAVE_SIGNAL_IGNORED
     command_line = shlex.join(plan.node_command(node))
     workdir = shlex.quote(plan.workdir(node))
     lines += [

@@ -32,6 +32,7 @@ import yaml
 
 from trainer.controller.launcher.launchfiles import accelerate_config, deepspeed_config, on_gpus
 from trainer.controller.launcher.plan import JobPlan
+from trainer.controller.launcher.runscript import SAVE_SIGNAL_IGNORED
 from trainer.controller.launcher.topology import AUTO_IFNAME
 from trainer.controller.training_env import IB_AUTO, IB_DEVICES_DIR
 from trainer.joblock import HEARTBEAT_S
@@ -74,6 +75,9 @@ class BatchOptions:
     time_limit: str = ""
     partition: str = ""
     cpus_per_task: int = 0
+    warning_s: int = 120
+    """Slurm sends SIGUSR2 this many seconds before the job's end (the bundled trainer saves and stops);
+    0: no signal."""
 
 
 def _heredoc(path: str, text: str, private: bool = False) -> str:
@@ -147,6 +151,7 @@ def node_script(plan: JobPlan) -> str:
             "# the host name resolves to).",
             'local_addr=$(ip -o route get "$MASTER_ADDR" 2>/dev/null'
             " | sed -n 's/.* src \\([^ ]*\\).*/\\1/p')",
+            *SAVE_SIGNAL_IGNORED,
             f'exec {shlex.quote(str(venv_bin / "torchrun"))} --nnodes="$NNODES" '
             '--nproc-per-node="$GPUS_PER_NODE" --node-rank="$NODE_RANK" '
             '--master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" '
@@ -283,6 +288,7 @@ def slurm_script(plan: JobPlan, options: BatchOptions = BatchOptions()) -> str:
         lines.append(f"#SBATCH --time={shlex.quote(options.time_limit)}")
     if options.partition:
         lines.append(f"#SBATCH --partition={shlex.quote(options.partition)}")
+    lines += _warning_lines(plan, options)
     lines += [
         "set -euo pipefail",
         "",
@@ -309,6 +315,23 @@ def slurm_script(plan: JobPlan, options: BatchOptions = BatchOptions()) -> str:
         f" bash {_launch_dir(plan)}/node.sh",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _warning_lines(plan: JobPlan, options: BatchOptions) -> list[str]:
+    """The bundled trainer's save before the job's end: Slurm's SIGUSR2 (trainer.node.save_request) and
+    a job that may be requeued, its output appended to across runs."""
+    if not plan.runs_bundled_trainer or not options.warning_s:
+        return []
+    return [
+        f"# {options.warning_s} s before the time limit (or on `scancel --signal=USR2 JOB` before a",
+        "# preemption) Slurm sends SIGUSR2 to the trainer's processes: it saves the step it is in and",
+        "# stops (exit 5). Submit this script again to resume from that checkpoint; `trainer launch` run",
+        "# inside the job requeues it itself. A preemption that sends TERM (GraceTime) saves nothing past",
+        "# the last periodic checkpoint.",
+        f"#SBATCH --signal=USR2@{int(options.warning_s)}",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+    ]
 
 
 def pbs_script(plan: JobPlan, options: BatchOptions = BatchOptions()) -> str:

@@ -58,8 +58,10 @@ def step_script(plan: JobPlan) -> str:
         "#!/bin/bash",
         f"# The Slurm step of run {plan.run_name}, written by `trainer launch` in an allocation: one task",
         "# per node; each runs its node's run.sh (the node dir by Slurm's name for the node).",
-        'case "${SLURMD_NODENAME:-}" in',
     ]
+    if plan.runs_bundled_trainer:
+        lines.append("trap '' USR2  # the trainer's save-and-stop request: run.sh's, from the first moment")
+    lines.append('case "${SLURMD_NODENAME:-}" in')
     for node in plan.topology.nodes:
         run_sh = shlex.quote(str(Path(node_dir(plan, node)) / "run.sh"))
         lines.append(f"  {shlex.quote(node.host)}) exec /bin/bash {run_sh} ;;")
