@@ -182,5 +182,8 @@ def test_plan_inside_salloc_says_what_slurm_is_asked_for(slurm, site):
     assert f"│ MASTER_ADDR │ {slurm.addresses['sn0']} │" in out, out
     assert f"│ 1 │ sn1 │ {slurm.addresses['sn1']} │ 2-3 │" in out, out
     assert f"Slurm: inside allocation {job}, `trainer launch` runs one step on its 2 node(s)" in out, out
+    # salloc's allocation is no batch job: Slurm cannot requeue it, and the plan says so.
+    assert "At the time limit: with `--signal=USR2@SECONDS`" in out, out
+    assert f"job {job} is not requeued (it is an interactive allocation (salloc)" in out, out
     assert f"srun --jobid={job} --job-name=clustertrain-LAUNCH_ID --nodes=2 --ntasks=2" in out, out
     assert "--nodelist=sn0,sn1 --kill-on-bad-exit=0 /bin/bash" in out, out

@@ -361,7 +361,8 @@ def train(
             )
             if final is not None:
                 reporter.info(f"final model: {final}")
-        reporter.write_report()  # rank 0's PNG curves; a failure to draw is a warning, never the run's
+        if code != exitcodes.STOPPED_AT_CHECKPOINT:  # the job ends soon: the resumed run draws them
+            reporter.write_report()  # rank 0's PNG curves; a failure to draw is a warning, never the run's
         clean = True  # every rank got here with the same code: leaving together is safe
         return code
     except Exception as error:

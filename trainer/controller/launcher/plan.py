@@ -695,6 +695,8 @@ def run(args: argparse.Namespace) -> int:
             f"Slurm: inside allocation {job}, `trainer launch` runs one step on its {len(asked['nodes'])} "
             f"node(s), one task each, no SSH: {asked['srun']}"
         )
+        if asked.get("at_time_limit"):
+            print(f"At the time limit: {asked['at_time_limit']}")
     return exitcodes.OK
 
 
@@ -704,4 +706,22 @@ def _slurm_request(plan: JobPlan, job: str) -> dict[str, Any]:
     hosts = [n.host for n in plan.topology.nodes]
     script = str(PurePosixPath(plan.launch_dir) / slurm_allocation.STEP_SCRIPT)
     argv = slurm_allocation.srun_argv(job, hosts, slurm_allocation.step_name("LAUNCH_ID"), script)
-    return {"job": job, "nodes": hosts, "srun": shlex.join(argv)}
+    asked = {"job": job, "nodes": hosts, "srun": shlex.join(argv)}
+    if plan.runs_bundled_trainer:
+        asked["at_time_limit"] = _at_time_limit(job)
+    return asked
+
+
+def _at_time_limit(job: str) -> str:
+    """What happens at the allocation's end (slurm_requeue.py): one scontrol call."""
+    warned = (
+        "with `--signal=USR2@SECONDS` (trainer sbatch writes it) Slurm warns the trainer, which saves the "
+        "step it is in and stops (exit 5)"
+    )
+    try:
+        blocker = slurm_allocation.requeue_blocker(job)
+    except slurm_allocation.SlurmError as err:
+        blocker = f"scontrol could not say: {err}"
+    if blocker is None:
+        return f"{warned}; `trainer launch` requeues job {job}, which resumes from that checkpoint"
+    return f"{warned}; job {job} is not requeued ({blocker}): run the same command again to resume"

@@ -99,6 +99,18 @@ def node_states(names: list[str]) -> dict[str, str]:
     return states
 
 
+def requeue_blocker(job: str) -> str | None:
+    """Why Slurm would not requeue `job` (an interactive allocation, --no-requeue), or None: one
+    scontrol call."""
+    shown = slurm("scontrol", "show", "job", job, "--oneliner")
+    fields = dict(item.split("=", 1) for item in shown.split() if "=" in item)
+    if fields.get("BatchFlag") != "1":
+        return "it is an interactive allocation (salloc), not a batch job"
+    if fields.get("Requeue") != "1":
+        return "it does not allow a requeue (--no-requeue, or the cluster's JobRequeue=0)"
+    return None
+
+
 def _ipv4(address: str) -> str:
     try:
         return socket.gethostbyname(address)

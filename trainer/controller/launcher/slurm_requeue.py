@@ -22,20 +22,8 @@ from trainer.controller.launcher.failure import Outcome
 from trainer.controller.launcher.live import LiveView
 from trainer.controller.launcher.plan import JobPlan
 from trainer.controller.launcher.restarts import saved_line
-from trainer.controller.launcher.slurm_allocation import SlurmError, slurm
+from trainer.controller.launcher.slurm_allocation import SlurmError, requeue_blocker, slurm
 from trainer.controller.launcher.slurm_runs import node_helper
-
-
-def requeue_blocker(job: str) -> str | None:
-    """Why Slurm would not requeue `job` (an interactive allocation, --no-requeue), or None: one
-    scontrol call."""
-    shown = slurm("scontrol", "show", "job", job, "--oneliner")
-    fields = dict(item.split("=", 1) for item in shown.split() if "=" in item)
-    if fields.get("BatchFlag") != "1":
-        return "it is an interactive allocation (salloc), not a batch job"
-    if fields.get("Requeue") != "1":
-        return "it does not allow a requeue (--no-requeue, or the cluster's JobRequeue=0)"
-    return None
 
 
 def requeue_after_save(plan: JobPlan, job: str, view: LiveView, outcome: Outcome) -> None:
