@@ -26,6 +26,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -34,12 +35,22 @@ import pytest
 
 BINARIES = ("munged", "slurmctld", "slurmd", "slurmstepd", "sbatch", "srun", "scontrol", "ip", "nsenter")
 PACKAGES = "slurmctld slurmd slurm-client munge iproute2"
-CTLD_PORT, SLURMD_PORT = 26817, 26818
+#: slurmd listens in its node's own namespace, so every cluster's slurmds can share this port; slurmctld
+#: listens on this machine's, so each cluster takes a free one (two test files with a cluster each, in
+#: CI's parallel workers, met as "slurmctld: fatal: ... Address already in use").
+SLURMD_PORT = 26818
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
 
 
 def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+
+
+def _free_port() -> int:
+    """A TCP port nothing on this machine listens on now (the kernel's pick for an ephemeral bind)."""
+    with socket.socket() as probe:
+        probe.bind(("0.0.0.0", 0))
+        return probe.getsockname()[1]
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -81,6 +92,7 @@ class SlurmCluster:
         self.subnet = _free_subnet()
         hosts = list(self.subnet.hosts())
         self.controller_address = str(hosts[0])
+        self.ctld_port = _free_port()
         self.addresses = {name: str(hosts[10 + i]) for i, name in enumerate(self.nodes)}
         self.conf = root / "slurm.conf"
         self.munge_socket = root / "munge" / "munge.socket"
@@ -187,7 +199,7 @@ class SlurmCluster:
         lines = [
             "ClusterName=clustertrain-test",
             f"SlurmctldHost={controller}({self.controller_address})",
-            f"SlurmctldPort={CTLD_PORT}",
+            f"SlurmctldPort={self.ctld_port}",
             f"SlurmdPort={SLURMD_PORT}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
