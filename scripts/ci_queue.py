@@ -60,8 +60,17 @@ HEAVY_FIRST: list[tuple[str, list[str]]] = [
     ("launch-resilience-sim", tests("local/test_launch_resilience_sim.py")),
     ("unit-controller", tests("unit/controller")),  # 9.7
     ("finetune-engines", tests("local/test_finetune_engines.py")),  # 7.3
-    # new: trainer launch inside a real Slurm allocation; ~2 + ~6 at load 8-13 (the restarts' three runs)
-    ("slurm-guest", tests("local/test_slurm_guest.py", "local/test_slurm_guest_restarts.py")),
+    # Every test of a real Slurm, one cluster at a time: trainer launch inside an allocation (~2, and ~6
+    # at load 8-13 for the restarts' three runs), the time limit's checkpoint and requeue (~2), sbatch.
+    (
+        "slurm",
+        tests(
+            "local/test_slurm_guest.py",
+            "local/test_slurm_guest_restarts.py",
+            "local/test_slurm_preemption.py",
+            "local/test_sbatch.py",
+        ),
+    ),
     # 11.7 before its five loopback twins of launch-resilience-sim's tests left CI (bed_twin): ~5.5
     ("launch-resilience", tests("local/test_launch_resilience_local.py")),
     # 7.4 before its two loopback twins of launch-sim's tests left CI (bed_twin): ~5.4
