@@ -40,7 +40,10 @@ def alive(pid: int) -> bool:
 
 
 def test_a_malformed_exit_record_is_ignored_and_every_node_is_stopped(tmp_path):
-    inventory, _ = write_inventory(tmp_path)
+    inventory, shared = write_inventory(tmp_path)
+    # The command's working dir (training_workdir's default), there before the launch as a cluster's
+    # shared dir is: else node1's probe raced node0's start, which creates it (CI failed it so once).
+    shared.mkdir()
     sleeper = tmp_path / "sleeper.pid"
     done = subprocess.run(
         launch_command(
