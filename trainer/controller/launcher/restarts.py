@@ -68,9 +68,14 @@ class BatchSplit:
         return self.micro_batch_size * self.accumulation * self.world
 
 
+def checkpoint_name(path: str) -> str:
+    """`step-37` of `/shared/runs/r/checkpoints/step-37` ("" for "")."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def saved_line(outcome: Outcome) -> str:
     """`checkpointed at step 37 on request (exit code 5)`: what a `saved` outcome wrote."""
-    step = outcome.latest_checkpoint.rstrip("/").rsplit("/", 1)[-1].removeprefix("step-")
+    step = checkpoint_name(outcome.latest_checkpoint).removeprefix("step-")
     where = f"step {step}" if step.isdigit() else "its latest checkpoint"
     return f"checkpointed at {where} on request (exit code {outcome.code})"
 
@@ -516,7 +521,7 @@ class RestartPolicy:
         )
 
     def _checkpoint_name(self) -> str:
-        return self.latest_checkpoint.rstrip("/").rsplit("/", 1)[-1] or self.latest_checkpoint
+        return checkpoint_name(self.latest_checkpoint) or self.latest_checkpoint
 
     def _checkpoint_text(self) -> str:
         return f" ({self._checkpoint_name()})" if self.latest_checkpoint else ""

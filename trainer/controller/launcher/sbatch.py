@@ -31,9 +31,7 @@ from trainer.controller.launcher.plan import (
 from trainer.controller.launcher.scheduler import BatchOptions, pbs_script, private_files, slurm_script
 from trainer.controller.launcher.topology import DEFAULT_MASTER_PORT
 
-#: Seconds before the time limit Slurm sends the trainer its save-and-stop signal: a save of a large
-#: model on a slow share takes a minute; Slurm's own limit on the time is 65535.
-WARNING_S = 120
+#: Slurm's own limit on --signal's time.
 MAX_WARNING_S = 65535
 
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
@@ -77,7 +75,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     batch.add_argument(
         "--warning-seconds",
         type=int,
-        default=WARNING_S,
+        default=BatchOptions.warning_s,
         metavar="S",
         help="Slurm sends SIGUSR2 S seconds before the time limit: the bundled trainer saves the step it is "
         f"in and stops, to resume from there (0: no signal; at most {MAX_WARNING_S}; default: %(default)s)",

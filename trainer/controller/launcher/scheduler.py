@@ -77,7 +77,7 @@ class BatchOptions:
     cpus_per_task: int = 0
     warning_s: int = 120
     """Slurm sends SIGUSR2 this many seconds before the job's end (the bundled trainer saves and stops);
-    0: no signal."""
+    0: no signal. 120 by default: a save of a large model on a slow share takes a minute."""
 
 
 def _heredoc(path: str, text: str, private: bool = False) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from trainer.controller.launcher.failure import Outcome
 from trainer.controller.launcher.live import LiveView
 from trainer.controller.launcher.plan import JobPlan
-from trainer.controller.launcher.restarts import saved_line
+from trainer.controller.launcher.restarts import checkpoint_name, saved_line
 from trainer.controller.launcher.slurm_allocation import SlurmError, requeue_blocker, slurm
 from trainer.controller.launcher.slurm_runs import node_helper
 
@@ -50,7 +50,7 @@ def requeue_after_save(plan: JobPlan, job: str, view: LiveView, outcome: Outcome
     node_helper().append_record(
         Path(plan.launch_dir), {"event": "requeued", "job": job, "resume_from": outcome.latest_checkpoint}
     )
-    name = outcome.latest_checkpoint.rstrip("/").rsplit("/", 1)[-1] or "that checkpoint"
+    name = checkpoint_name(outcome.latest_checkpoint) or "that checkpoint"
     view.message(
         f"[yellow]{what}[/yellow]; Slurm job {job} requeued: it runs this script again and resumes "
         f"from {name}"

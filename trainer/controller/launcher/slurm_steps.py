@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainer.controller.launcher.plan import JobPlan
-from trainer.controller.launcher.runscript import IB_DISABLE, IFACE, node_dir, run_script
+from trainer.controller.launcher.runscript import IB_DISABLE, IFACE, SAVE_SIGNAL_IGNORED, node_dir, run_script
 from trainer.controller.launcher.scheduler import HAS_IB_DEVICES, IFACE_TOWARD_HEAD
 from trainer.controller.launcher.slurm_allocation import STEP_SCRIPT, SlurmError, slurm, srun_argv, step_name
 
@@ -60,7 +60,7 @@ def step_script(plan: JobPlan) -> str:
         "# per node; each runs its node's run.sh (the node dir by Slurm's name for the node).",
     ]
     if plan.runs_bundled_trainer:
-        lines.append("trap '' USR2  # the trainer's save-and-stop request: run.sh's, from the first moment")
+        lines += SAVE_SIGNAL_IGNORED  # run.sh's own, from the step's first moment
     lines.append('case "${SLURMD_NODENAME:-}" in')
     for node in plan.topology.nodes:
         run_sh = shlex.quote(str(Path(node_dir(plan, node)) / "run.sh"))
