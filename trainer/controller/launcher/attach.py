@@ -12,6 +12,9 @@ verifiably dead (a launcher of this controller whose pid no longer runs) or when
 second launch of the run starts while it follows, and releases it when the run ends (the next launch
 then needs no --force); a holder that still runs, or one on another controller, keeps its lock.
 
+A run submitted from a Slurm login node (`trainer launch --slurm`) is followed as that command follows
+it (slurm_follow.py): the job's output and its state, to its end and its exit code; Ctrl-C cancels it.
+
 Restarts: launch.json records the launch's --max-restarts and the restarts used. When attach holds
 the lock (the launcher that started the run is dead), it honours what is left: on a failure it
 stops every node and starts each node's run.sh again as the launcher wrote it (with its secret
@@ -41,13 +44,17 @@ from trainer.controller.launcher.launch_cli import (
     watch_options,
 )
 from trainer.controller.launcher.launch_record import LaunchRecord, RestartState
-from trainer.controller.launcher.live import LiveView, printable
+from trainer.controller.launcher.live import LiveView, node_text, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.runlock import LockError, describe_holder, holder_state
+from trainer.controller.launcher.slurm_follow import CurrentJob, JobFollower, current_job, tail_offset
+from trainer.controller.launcher.slurm_login import poll_interval
 from trainer.controller.launcher.slurm_runs import slurm_launch
 from trainer.controller.launcher.status import MALFORMED, launcher_alive, read_launch_record
 
+#: The lines of a login-submitted job's output shown before its new ones.
+ATTACH_TAIL_LINES = 20
 EXAMPLES = ("trainer attach -i inventory/mycluster --run-name qwen-lora  # after its launcher died",)
 
 
@@ -70,6 +77,8 @@ def launch_to_follow(args: argparse.Namespace) -> tuple[JobPlan, LaunchRecord] |
     except PlanningError as err:
         print(f"trainer attach: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    if (job := current_job(plan)) is not None and job.live:
+        return follow_submitted(plan, job, args)
     if (slurm_run := slurm_launch(plan)) is not None:
         step = f"Slurm step {slurm_run.step or slurm_run.step_name} of job {slurm_run.job}"
         print(
@@ -102,6 +111,22 @@ def launch_to_follow(args: argparse.Namespace) -> tuple[JobPlan, LaunchRecord] |
         print(f"trainer attach: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     return plan, record
+
+
+def follow_submitted(plan: JobPlan, job: CurrentJob, args: argparse.Namespace) -> int:
+    """Follow a run's job submitted from a login node (slurm_login.py) as the `trainer launch --slurm`
+    that submitted it does: the last lines of its output, then its new ones, to its end; its exit code.
+    Ctrl-C (TERM, HUP) cancels the job, as attach stops an SSH launch's nodes."""
+    view = LiveView()
+    install_signal_handlers(view)
+    record = job.record
+    follower = JobFollower(record.job, plan.launch_dir, view, poll_interval(args))
+    follower.offset = tail_offset(follower.output, ATTACH_TAIL_LINES)
+    view.message(
+        f"following run {node_text(plan.run_name)}'s Slurm job {record.job}, submitted from "
+        f"{node_text(record.host)} (trainer launch --slurm, pid {record.follower_pid}); Ctrl-C cancels it"
+    )
+    return follower.follow()
 
 
 def run(args: argparse.Namespace) -> int:

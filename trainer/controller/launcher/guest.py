@@ -21,8 +21,10 @@ A run that stopped at a checkpoint as Slurm's warning signal asked (--signal=USR
 trainer's exit STOPPED_AT_CHECKPOINT) ends the attempt as `saved`, no failure; the restart policy
 hands it to slurm_requeue.py, which requeues the job.
 
-Not yet here (issue 40's later slices): taking a lost node back (rejoin), a launch from a login node
-that submits its own allocation.
+A launch from a login node (`trainer launch --slurm`, slurm_login.py) submits a batch job whose script
+runs this same launch inside the allocation, and follows the job from the login node.
+
+Not yet here (issue 40's later slices): taking a lost node back (rejoin).
 """
 
 from __future__ import annotations

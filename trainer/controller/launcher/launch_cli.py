@@ -32,6 +32,8 @@ from trainer.controller.launcher.plan import (
 )
 from trainer.controller.launcher.rejoin import REJOIN_PROBE_S, Rejoin
 from trainer.controller.launcher.restarts import Attempts, RestartPolicy
+from trainer.controller.launcher.slurm_batch import add_slurm_arguments, slurm_option_problem
+from trainer.controller.launcher.slurm_login import run_from_login
 from trainer.controller.launcher.slurm_requeue import requeue_after_save
 from trainer.controller.launcher.stall import STALL_FLOOR_S, STALL_STEP_FACTOR
 from trainer.controller.launcher.stop import stop_run
@@ -52,6 +54,7 @@ EXAMPLES = (
     "trainer launch -i inventory/mycluster --run-name first --set train.max_steps=200",
     "trainer launch -i inventory/mycluster --run-name qwen-lora finetune-lora.yaml --max-restarts 2",
     "trainer launch -i inventory/mycluster --env WANDB_API_KEY -- bash finetune/finetune_lora_ds.sh",
+    "trainer launch --slurm -i inventory/mycluster --run-name qwen --nodes 4 --time 24:00:00  # login node",
 )
 
 
@@ -67,6 +70,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="stop the run's trainer on every host (e.g. after the launcher died): `trainer stop`",
     )
     add_over_ssh_argument(parser)
+    add_slurm_arguments(parser)
     add_watch_arguments(parser)
     add_restart_arguments(parser)
 
@@ -109,11 +113,16 @@ def run(args: argparse.Namespace) -> int:
             )
             return exitcodes.CONFIG_ERROR
         args.config = args.config_file
-    if problem := option_problem(args):
+    job = slurm_allocation.allocation_job()
+    if problem := option_problem(args) or slurm_option_problem(args, job):
         print(f"trainer launch: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    if (job := slurm_allocation.allocation_job()) is not None and not args.over_ssh:
+    if job is not None and not args.over_ssh:
         return run_in_allocation(args, job)
+    if args.slurm and not args.stop:  # a login node: one batch job, followed from here (slurm_login.py)
+        view = LiveView()
+        install_signal_handlers(view)
+        return run_from_login(args, view)
     early: PrestartedRun | None = None
     try:
         try:

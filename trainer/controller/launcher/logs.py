@@ -28,6 +28,7 @@ from trainer.controller.inventory import PlanningError
 from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan
 from trainer.controller.launcher.slurm_allocation import SlurmError
+from trainer.controller.launcher.slurm_follow import current_job, describe_submitted
 from trainer.controller.launcher.slurm_runs import node_reports, slurm_launch, step_running
 from trainer.controller.launcher.slurm_steps import SlurmRecord
 from trainer.controller.launcher.status import (
@@ -104,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     except PlanningError as err:
         print(f"trainer logs: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    if (job := current_job(plan)) is not None and job.step is None:
+        # Submitted from a login node, its trainer launch has started no step yet: no node has a log.
+        note(f"run {plan.run_name}: {describe_submitted(job.record, job.state)}; no node log yet")
+        return exitcodes.OK
     if (slurm_run := slurm_launch(plan)) is not None:
         try:
             return slurm_logs(plan, slurm_run, pick_nodes(slurm_run.nodes, args.node, plan.run_name), args)

@@ -24,7 +24,7 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.access import add_access_arguments, configure_access
 from trainer.controller.inventory import Cluster, PlanningError, load_cluster
-from trainer.controller.launcher import command_forms, config_sources, slurm_allocation
+from trainer.controller.launcher import command_forms, config_sources, slurm_allocation, slurm_batch
 from trainer.controller.launcher.topology import AUTO_IFNAME, Node, Topology, build_topology
 from trainer.controller.training_env import (
     IB_AUTO,
@@ -486,6 +486,7 @@ EXAMPLES = (
     "trainer plan -i inventory/mycluster  # ranks, master, NCCL settings, each node's environment",
     "trainer plan -i inventory/mycluster --engine deepspeed --set train.max_steps=1000 --json",
     "trainer plan -i inventory/mycluster -- bash finetune/finetune_lora_ds.sh  # your own command",
+    "trainer plan --slurm -i inventory/mycluster --nodes 4 --time 24:00:00  # the batch job and its script",
 )
 
 
@@ -521,6 +522,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_over_ssh_argument(parser)
+    slurm_batch.add_slurm_arguments(parser)
 
 
 def add_over_ssh_argument(parser: argparse.ArgumentParser) -> None:
@@ -676,6 +678,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainer plan: {problem}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     job = None if args.over_ssh else slurm_allocation.allocation_job()
+    if problem := slurm_batch.slurm_option_problem(args, job):
+        print(f"trainer plan: {problem}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    if args.slurm:
+        return _print_login_plan(args)
     try:
         configure_access(args)  # sudo/vault passwords (trainer.controller.access)
         cluster = None
@@ -697,6 +704,72 @@ def run(args: argparse.Namespace) -> int:
         )
         if asked.get("at_time_limit"):
             print(f"At the time limit: {asked['at_time_limit']}")
+    return exitcodes.OK
+
+
+def slurm_login_plan(args: argparse.Namespace) -> tuple[JobPlan, slurm_batch.BatchJob, dict[str, str]]:
+    """`--slurm` on a login node: the plan on the nodes Slurm will name (placeholders here), the batch
+    job that runs it (what `trainer launch --slurm` submits and `trainer plan --slurm` shows), and the
+    secret --env variables, which go to slurm_batch.SECRET_ENV; a PlanningError names a problem."""
+    configure_access(args)  # vault passwords (trainer.controller.access)
+    plan = plan_from_args(args, slurm_batch.login_cluster(load_cluster(args.inventory), args.nodes))
+    try:
+        secrets = parse_env_options(tuple(args.env)).secrets
+        options = slurm_batch.batch_options(args)
+    except (EnvError, ValueError) as err:
+        raise PlanError(str(err)) from None
+    config = str(PurePosixPath(plan.launch_dir) / slurm_batch.CONFIG_COPY) if args.config else None
+    on_gpus = int(plan.topology.head.vars.get("cluster_accelerators") or 0) > 0
+    job = slurm_batch.BatchJob(
+        run_name=plan.run_name,
+        launch_dir=plan.launch_dir,
+        workdir=str(Path.cwd()),
+        nodes=plan.topology.nnodes,
+        gpus_per_node=plan.topology.gpus_per_node if on_gpus else 0,
+        bundled=plan.runs_bundled_trainer,
+        guest_argv=tuple(
+            slurm_batch.guest_argv(args, str(PurePosixPath(plan.training_venv) / "bin" / "python"), config)
+        ),
+        secrets=bool(secrets),
+        options=options,
+    )
+    return plan, job, secrets
+
+
+def _print_login_plan(args: argparse.Namespace) -> int:
+    """`trainer plan --slurm`: the job, and what Slurm is asked for (the sbatch line and the script)."""
+    try:
+        plan, job, _ = slurm_login_plan(args)
+    except PlanningError as err:
+        print(f"trainer plan: {err}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    options = job.options
+    asked = {
+        "nodes": job.nodes,
+        "tasks_per_node": 1,
+        "processes_per_node": plan.topology.gpus_per_node,
+        "gpus_per_node": job.gpus_per_node,
+        "time": options.time_limit or None,
+        "partition": options.partition or None,
+        "sbatch": shlex.join(job.sbatch_argv()),
+        "script": job.script(),
+    }
+    if args.json:
+        print(json.dumps({**plan.as_dict(), "slurm": asked}, indent=2))
+        return exitcodes.OK
+    print_plan(plan)
+    print(
+        f"Slurm: `trainer launch --slurm` submits one batch job from here: {job.nodes} node(s), one task "
+        f"per node, {plan.topology.gpus_per_node} process(es) per node"
+        + (f", {job.gpus_per_node} GPU(s) per node" if job.gpus_per_node else "")
+        + f", time {options.time_limit or 'the partition default'}, partition "
+        f"{options.partition or 'the cluster default'}. Slurm names the nodes when the job starts ("
+        f"{slurm_batch.PLACEHOLDER.format(rank='N')} above stand for them; the head is the first). In the "
+        "job, `trainer launch` runs them as Slurm steps; this machine follows the job with one squeue a poll."
+    )
+    print(f"Submitted as: {asked['sbatch']}")
+    print(f"Its script ({PurePosixPath(plan.launch_dir) / slurm_batch.BATCH_SCRIPT}):")
+    print(job.script(), end="")
     return exitcodes.OK
 
 

@@ -28,11 +28,9 @@ from trainer.controller.launcher.plan import (
     add_job_arguments,
     plan_from_args,
 )
-from trainer.controller.launcher.scheduler import BatchOptions, pbs_script, private_files, slurm_script
+from trainer.controller.launcher.scheduler import pbs_script, private_files, slurm_script
+from trainer.controller.launcher.slurm_batch import add_batch_options, batch_options
 from trainer.controller.launcher.topology import DEFAULT_MASTER_PORT
-
-#: Slurm's own limit on --signal's time.
-MAX_WARNING_S = 65535
 
 #: cli.py gives this verb what follows `--` as args.command (the user's own command).
 TAKES_COMMAND = True
@@ -69,17 +67,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     without.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT, help="rendezvous port")
     batch = parser.add_argument_group("scheduler")
     batch.add_argument("--pbs", action="store_true", help="write a PBS/Torque script (qsub) instead")
-    batch.add_argument("--time", default="", help="time limit, e.g. 24:00:00 (default: the site's)")
-    batch.add_argument("--partition", default="", help="partition (Slurm) or queue (PBS)")
-    batch.add_argument("--cpus-per-task", type=int, default=0, help="CPUs per node's task (dataloaders)")
-    batch.add_argument(
-        "--warning-seconds",
-        type=int,
-        default=BatchOptions.warning_s,
-        metavar="S",
-        help="Slurm sends SIGUSR2 S seconds before the time limit: the bundled trainer saves the step it is "
-        f"in and stops, to resume from there (0: no signal; at most {MAX_WARNING_S}; default: %(default)s)",
-    )
+    add_batch_options(batch)
     parser.add_argument(
         "-o", "--output", help="file to write (default: <run name>.sbatch, or .pbs, in the current directory)"
     )
@@ -130,17 +118,10 @@ def batch_plan(args: argparse.Namespace) -> JobPlan:
 def run(args: argparse.Namespace) -> int:
     try:
         plan = batch_plan(args)
-        if not 0 <= args.warning_seconds <= MAX_WARNING_S:
-            raise PlanError(f"--warning-seconds must be 0 to {MAX_WARNING_S}, not {args.warning_seconds}")
-    except PlanningError as err:
+        options = batch_options(args)
+    except (PlanningError, ValueError) as err:
         print(f"trainer sbatch: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    options = BatchOptions(
-        time_limit=args.time,
-        partition=args.partition,
-        cpus_per_task=args.cpus_per_task,
-        warning_s=args.warning_seconds,
-    )
     script = pbs_script(plan, options) if args.pbs else slurm_script(plan, options)
     target = Path(args.output or f"{plan.run_name}.{'pbs' if args.pbs else 'sbatch'}")
     private = private_files(plan)

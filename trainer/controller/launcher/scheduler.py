@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 import yaml
@@ -33,11 +32,14 @@ import yaml
 from trainer.controller.launcher.launchfiles import accelerate_config, deepspeed_config, on_gpus
 from trainer.controller.launcher.plan import JobPlan
 from trainer.controller.launcher.runscript import SAVE_SIGNAL_IGNORED
+from trainer.controller.launcher.slurm_batch import BatchOptions
 from trainer.controller.launcher.topology import AUTO_IFNAME
 from trainer.controller.training_env import IB_AUTO, IB_DEVICES_DIR
 from trainer.joblock import HEARTBEAT_S
 from trainer.joblock import LOCK_FILE as JOB_LOCK_FILE
 
+#: The site's defaults (BatchOptions is frozen: one shared value).
+DEFAULT_OPTIONS = BatchOptions()
 #: Variables node.sh sets from the job (job.env) or per node, not from the plan's fixed values.
 _RUNTIME = {
     "NNODES",
@@ -66,18 +68,6 @@ IFACE_TOWARD_HEAD = (
 )
 #: A shell test, true where this node lists InfiniBand/RoCE devices (NCCL_IB_DISABLE auto).
 HAS_IB_DEVICES = f'[ -n "$(ls -A {IB_DEVICES_DIR} 2>/dev/null)" ]'
-
-
-@dataclass(frozen=True)
-class BatchOptions:
-    """Scheduler settings that are not part of the job itself (empty = the site's default)."""
-
-    time_limit: str = ""
-    partition: str = ""
-    cpus_per_task: int = 0
-    warning_s: int = 120
-    """Slurm sends SIGUSR2 this many seconds before the job's end (the bundled trainer saves and stops);
-    0: no signal. 120 by default: a save of a large model on a slow share takes a minute."""
 
 
 def _heredoc(path: str, text: str, private: bool = False) -> str:
@@ -272,7 +262,7 @@ def _resolve_head(lookup: str) -> list[str]:
     ]
 
 
-def slurm_script(plan: JobPlan, options: BatchOptions = BatchOptions()) -> str:
+def slurm_script(plan: JobPlan, options: BatchOptions = DEFAULT_OPTIONS) -> str:
     topo = plan.topology
     lines = [
         *_header(plan, "Slurm", "sbatch FILE"),
@@ -334,7 +324,7 @@ def _warning_lines(plan: JobPlan, options: BatchOptions) -> list[str]:
     ]
 
 
-def pbs_script(plan: JobPlan, options: BatchOptions = BatchOptions()) -> str:
+def pbs_script(plan: JobPlan, options: BatchOptions = DEFAULT_OPTIONS) -> str:
     topo = plan.topology
     resources = f"nodes={topo.nnodes}:ppn={options.cpus_per_task or topo.gpus_per_node}"
     if on_gpus(plan):

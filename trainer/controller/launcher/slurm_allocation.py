@@ -45,10 +45,11 @@ def allocation_job(env: Mapping[str, str] = os.environ) -> str | None:
     return job or None
 
 
-def slurm(*argv: str, timeout_s: float = SLURM_TIMEOUT_S) -> str:
-    """One Slurm command's output; SlurmError with its message when it fails."""
+def slurm(*argv: str, timeout_s: float = SLURM_TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
+    """One Slurm command's output; SlurmError with its message when it fails. `env`: the command's
+    environment (default: this process's)."""
     try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, env=env)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise SlurmError(f"{argv[0]} could not run: {err}") from err
     if done.returncode != 0:

@@ -25,6 +25,8 @@ from trainer.controller.launcher.live import printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state, time_text
 from trainer.controller.launcher.slurm_allocation import SlurmError
+from trainer.controller.launcher.slurm_follow import CurrentJob, current_job, describe_submitted
+from trainer.controller.launcher.slurm_follow import summary as job_summary
 from trainer.controller.launcher.slurm_runs import node_reports, slurm_launch, step_running
 from trainer.controller.launcher.slurm_steps import SlurmRecord
 from trainer.controller.runner import PlaybookResult, run_playbook
@@ -161,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
     except PlanningError as err:
         print(f"trainer status: {err}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    if (job := current_job(plan)) is not None:
+        return submitted_status(plan, job, args.lines, as_json=args.json)
     if (slurm_run := slurm_launch(plan)) is not None:
         return slurm_status(plan, slurm_run, args.lines, as_json=args.json)
     record, head_report, problem = read_launch_record(plan, args.lines)
@@ -215,7 +219,23 @@ def run(args: argparse.Namespace) -> int:
     return exitcodes.OK if all(reports.get(host) for host in nodes) else exitcodes.FAILURE
 
 
-def slurm_status(plan: JobPlan, slurm_run: SlurmRecord, lines: int, *, as_json: bool) -> int:
+def submitted_status(plan: JobPlan, job: CurrentJob, lines: int, *, as_json: bool) -> int:
+    """`trainer status` of a run submitted from a login node (slurm_login.py): the job's line, then its
+    step's nodes (slurm_status) once the job's launcher runs them."""
+    if as_json and job.step is None:
+        print(json.dumps({"job": job_summary(job.record, job.state), "reports": {}}, indent=2))
+        return exitcodes.OK
+    if not as_json:
+        say(f"run {plan.run_name}: {describe_submitted(job.record, job.state)}")
+    if job.step is None:
+        say("no step of it runs yet: its nodes' lines come once the job's trainer launch starts them")
+        return exitcodes.OK
+    return slurm_status(plan, job.step, lines, as_json=as_json, job=job)
+
+
+def slurm_status(
+    plan: JobPlan, slurm_run: SlurmRecord, lines: int, *, as_json: bool, job: CurrentJob | None = None
+) -> int:
     """`trainer status` of a run whose latest launch is a Slurm step (guest.py): the nodes' reports
     read from the shared dir, the step's state from one squeue call."""
     try:
@@ -227,7 +247,10 @@ def slurm_status(plan: JobPlan, slurm_run: SlurmRecord, lines: int, *, as_json: 
     reports = node_reports(plan, slurm_run.nodes, offsets, bool(running), lines)
     info = next(iter(reports.values())).get("info") or {}
     if as_json:
-        print(json.dumps({"info": info, "slurm": slurm_run.__dict__, "reports": reports}, indent=2))
+        shown = {"info": info, "slurm": slurm_run.__dict__, "reports": reports}
+        if job is not None:
+            shown["job"] = job_summary(job.record, job.state)
+        print(json.dumps(shown, indent=2))
         return exitcodes.OK
     record = LaunchRecord.from_json(info)
     step = f"Slurm step {slurm_run.step or slurm_run.step_name} of job {slurm_run.job}"

@@ -30,6 +30,14 @@ from trainer.controller.launcher.live import LiveView, node_text, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.runlock import describe_holder, holder_state
 from trainer.controller.launcher.slurm_allocation import SlurmError
+from trainer.controller.launcher.slurm_follow import (
+    CANCEL_END_S,
+    CurrentJob,
+    cancel_job,
+    current_job,
+    job_state,
+    wait_for_end,
+)
 from trainer.controller.launcher.slurm_runs import request_stop, slurm_launch, step_running
 from trainer.controller.launcher.slurm_steps import SlurmRecord
 from trainer.controller.launcher.status import MALFORMED, read_launch_record
@@ -77,6 +85,8 @@ def stop_run(cluster: Cluster, run_name: str, options: WatchOptions, verb: str) 
     view = LiveView()
     try:
         plan = make_plan(cluster, run_name=run_name)
+        if (job := current_job(plan)) is not None and job.live:
+            return stop_submitted_job(plan, job, options, verb)
         if (slurm_run := slurm_launch(plan)) is not None:
             return stop_slurm_run(plan, slurm_run, options, verb)
         record, head_report, problem = read_launch_record(plan)
@@ -130,6 +140,36 @@ def stop_slurm_run(plan: JobPlan, record: SlurmRecord, options: WatchOptions, ve
         return exitcodes.FAILURE
     else:
         print(f"run {plan.run_name}: stopped its {step} on {nodes} (scancel)")
+    return exitcodes.OK
+
+
+def stop_submitted_job(plan: JobPlan, job: CurrentJob, options: WatchOptions, verb: str) -> int:
+    """Stop a run submitted from a login node (slurm_login.py): its step cancelled as stop_slurm_run
+    does, so that the job's launcher names the stop and ends with it (its code goes to the follower);
+    then scancel of the job itself if it still runs after the stop grace (or at once while it waits)."""
+    name = f"Slurm job {job.record.job}"
+    try:
+        if job.step is not None:
+            request_stop(plan, job.step, stop_record(None, verb))
+            state = wait_for_end(job.record.job, options.stop_grace_s + CANCEL_END_S / 2)
+        else:
+            state = job_state(job.record.job)
+        cancelled = state.live and cancel_job(job.record.job)
+        if cancelled:
+            state = wait_for_end(job.record.job, options.stop_grace_s + CANCEL_END_S)
+    except SlurmError as err:
+        print(f"{verb}: run {plan.run_name}: {printable(str(err))}", file=sys.stderr)
+        return exitcodes.FAILURE
+    if job.step is None:
+        how = "scancel of the job"
+    elif cancelled:
+        how = "scancel of its step, then of the job, which still ran"
+    else:
+        how = "scancel of its step; the job's trainer launch ended with it"
+    if state.live:
+        print(f"{verb}: run {plan.run_name}: {name} is still {state.describe()} after {how}; see squeue")
+        return exitcodes.FAILURE
+    print(f"run {plan.run_name}: stopped its {name} ({how}); it is {state.describe()}")
     return exitcodes.OK
 
 

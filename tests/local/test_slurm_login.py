@@ -1,0 +1,154 @@
+"""`trainer launch --slurm` from a Slurm login node (issue 40): the test process, outside any allocation,
+is the login node. The launch submits one batch job whose script runs `trainer launch` inside the
+allocation (guest mode), follows it from here (one squeue a poll, the job's output on the shared dir)
+and ends with the job's launcher's own exit code; `trainer status` and `trainer stop` work on it from
+here too.
+
+The Slurm is tests/helpers/slurm_cluster.py (slurmctld and two slurmd, each node in a network namespace
+of its own); one process per node, the tiny model, a few steps. It needs root and the Debian packages
+slurmctld, slurmd, slurm-client and munge; without them these tests are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.loopback_launch import TINY
+from helpers.slurm_cluster import slurm_for_test
+from helpers.slurm_site import guest_inventory
+
+from trainer import exitcodes
+
+REPO = Path(__file__).resolve().parents[2]
+#: A secret --env variable: it reaches the nodes, and never the script, Slurm's state or a command line.
+SECRET_NAME, SECRET = "CT_LOGIN_TOKEN", "tok-9c2e-login-node-secret"
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with slurm_for_test(tmp_path_factory.mktemp("slurm-login"), nodes=2) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> tuple[Path, Path]:
+    return guest_inventory(tmp_path_factory.mktemp("login"), procs_per_node=1, master_port=29537)
+
+
+def login_env(slurm) -> dict[str, str]:
+    """This machine as a login node: the test Slurm's config, no allocation, the secret exported."""
+    env = {k: v for k, v in slurm.env.items() if not k.startswith("SLURM_JOB")}
+    return {**env, SECRET_NAME: SECRET}
+
+
+def launch_argv(site: tuple[Path, Path], run_name: str, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "trainer", "launch", "--slurm", "-i", str(site[0]), "--run-name", run_name,
+        "--poll-interval", "1", *TINY, *args,
+    ]  # fmt: skip
+
+
+def trainer(verb: str, site: tuple[Path, Path], *args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", verb, "-i", str(site[0]), *args],
+        capture_output=True, text=True, timeout=180, env=env, cwd=REPO,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(slurm, site) -> tuple[subprocess.CompletedProcess, float]:
+    """`trainer launch --slurm` of the bundled trainer, 4 steps on 2 nodes, followed to its end."""
+    started = time.monotonic()
+    done = subprocess.run(
+        launch_argv(site, "login", "--set", "train.max_steps=4", "--env", SECRET_NAME),
+        capture_output=True, text=True, timeout=600, env=login_env(slurm), cwd=REPO,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    print(f"slurm login: submitted, trained 4 steps and followed to the end in {took:.1f} s")
+    return done, took
+
+
+@pytest.mark.slow
+def test_a_launch_from_the_login_node_submits_follows_and_exits_with_the_jobs_code(slurm, site, trained):
+    done, _ = trained
+    output = done.stdout + done.stderr
+    assert done.returncode == exitcodes.OK, output[-6000:] + slurm.logs()
+    job = output.split("submitted run login as Slurm job ")[1].split(":")[0]
+    assert f"Slurm job {job}: " in output, "the job's state, from squeue"
+    # The job's own launcher, as this side shows it: rank 0's steps, a line per node, its end.
+    assert "step 4/4 loss " in output, output[-6000:]
+    assert "as Slurm step clustertrain-login-" in output and "on 2 node(s): sn0, sn1" in output, output
+    assert "[sn1] node 1: " in output and "done: run login finished on all 2 node(s)" in output, output
+    assert f"Slurm job {job} ended (completed); trainer launch in it exited 0" in output, output[-3000:]
+    run_dir = site[1] / "runs" / "login"
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 4
+    assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith("step-4")
+    assert (run_dir / "checkpoints" / "step-4").is_dir(), "the checkpoint is on the shared dir"
+    # The secret reached the nodes (their secret-env, 0600) through a 0600 file, and nothing Slurm keeps.
+    launch = run_dir / "launch"
+    assert SECRET in (launch / "node-1" / "secret-env").read_text()
+    assert (launch / "slurm-secret-env").stat().st_mode & 0o777 == 0o600
+    assert SECRET not in (launch / "slurm-batch.sh").read_text()
+    kept = [p for p in (slurm.root / "state").rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert kept == [], f"Slurm's state holds the secret: {kept}"
+
+
+@pytest.mark.slow
+def test_bad_data_exits_2_on_the_login_node_with_the_cause_named(slurm, site):
+    short = site[1] / "short.txt"
+    short.write_text("too short for one sample\n")
+    started = time.monotonic()
+    done = subprocess.run(
+        launch_argv(site, "baddata", "--set", f"data.path={short}"),
+        capture_output=True, text=True, timeout=300, env=login_env(slurm), cwd=REPO,
+    )  # fmt: skip
+    print(f"slurm login: bad data, submitted to exit {time.monotonic() - started:.1f} s")
+    output = done.stdout + done.stderr
+    assert done.returncode == exitcodes.CONFIG_ERROR, output[-6000:]
+    assert "failed: config error: data.block_size" in output, output[-6000:]
+    assert "trainer launch in it exited 2" in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_status_and_stop_from_the_login_node_cancel_the_job(slurm, site):
+    env = login_env(slurm)
+    started = time.monotonic()
+    follower = subprocess.Popen(
+        launch_argv(site, "live", "--set", "train.max_steps=100000"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
+    try:
+        log = site[1] / "runs" / "live" / "launch" / "node-0" / "log"
+        deadline = time.monotonic() + 300
+        while "step 2/" not in (log.read_text() if log.exists() else ""):
+            assert follower.poll() is None, follower.stdout.read()[-4000:] if follower.stdout else ""
+            assert time.monotonic() < deadline, "no step 2 in 300 s"
+            time.sleep(1)
+        job = json.loads((log.parents[1] / "slurm-job.json").read_text())["job"]
+
+        status = trainer("status", site, "--run-name", "live", env=env)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert f"run live: Slurm job {job}, submitted " in status.stdout, status.stdout
+        assert "running on sn0,sn1" in status.stdout or "running on sn[0-1]" in status.stdout, status.stdout
+        assert "[sn1] node 1: running" in status.stdout, status.stdout
+
+        stop = trainer("stop", site, "--run-name", "live", env=env)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert f"run live: stopped its Slurm job {job} (scancel of its step" in stop.stdout, stop.stdout
+        output, _ = follower.communicate(timeout=120)
+    finally:
+        if follower.poll() is None:
+            os.kill(follower.pid, signal.SIGTERM)  # cancels the job (scancel), as Ctrl-C does
+            follower.wait(timeout=120)
+    print(f"slurm login: launch, status and stop in {time.monotonic() - started:.1f} s")
+    assert follower.returncode == exitcodes.INTERRUPTED, output[-4000:]
+    assert "stopped: run live was stopped on sn0, sn1 from outside this launcher" in output, output[-4000:]
+    assert f"trainer launch in it exited {exitcodes.INTERRUPTED}" in output, output[-4000:]
+    assert slurm.job(job).get("JobState") in ("FAILED", "CANCELLED"), slurm.job(job)
