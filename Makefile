@@ -11,7 +11,9 @@ TORCH_SPEC ?= torch==2.13.0
 INVENTORY ?= inventory/local
 ARGS      ?=
 export PATH := $(abspath $(BIN)):$(PATH)
-PIP := $(BIN)/pip install -q --disable-pip-version-check
+# uv, under this machine's pip settings (scripts/venv-install.py): the set-up's installs in a fraction
+# of pip's time.
+PIP := $(BIN)/python scripts/venv-install.py $(VENV)
 
 .PHONY: help install install-train install-dev install-mitogen system-deps train provision preflight up test test-fast molecule test-vm lint bench docs docs-gen clean
 
@@ -38,7 +40,6 @@ install-dev: install-train $(VENV)/.installed-dev
 
 $(VENV)/.installed-controller: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) --upgrade pip
 	$(PIP) -e .
 	touch $@
 
