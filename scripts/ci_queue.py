@@ -61,7 +61,8 @@ HEAVY_FIRST: list[tuple[str, list[str]]] = [
     ("unit-controller", tests("unit/controller")),  # 9.7
     ("finetune-engines", tests("local/test_finetune_engines.py")),  # 7.3
     # Every test of a real Slurm, one cluster at a time: trainer launch inside an allocation (~2, and ~6
-    # at load 8-13 for the restarts' three runs), the time limit's checkpoint and requeue (~2), sbatch.
+    # at load 8-13 for the restarts' three runs), the time limit's checkpoint and requeue (~2), sbatch,
+    # trainer launch --slurm from a login node (~1).
     (
         "slurm",
         tests(
@@ -69,6 +70,7 @@ HEAVY_FIRST: list[tuple[str, list[str]]] = [
             "local/test_slurm_guest_restarts.py",
             "local/test_slurm_preemption.py",
             "local/test_sbatch.py",
+            "local/test_slurm_login.py",
         ),
     ),
     # 11.7 before its five loopback twins of launch-resilience-sim's tests left CI (bed_twin): ~5.5
