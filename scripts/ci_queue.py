@@ -14,13 +14,15 @@ none is lost.
 
     scripts/ci_queue.py work SIDE     take and run chunks until none is left
     scripts/ci_queue.py report        per chunk: who ran it, minutes (wall and CPU), result; the
-                                      slowest tests; the end of every failed chunk's log; exit 1 if
-                                      any failed or was never run
+                                      slowest tests; the tests that cost the most CPU (ci_cpu.py);
+                                      the end of every failed chunk's log; exit 1 if any failed or
+                                      was never run
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -31,6 +33,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# scripts/ci_cpu.py, beside this file, however this one is loaded (run, or imported by its tests).
+sys.path.insert(0, str(REPO / "scripts"))
+import ci_cpu  # noqa: E402
+
 QUEUE = REPO / ".cache" / "ci" / "queue"
 #: What `make test` selects bed-free: not the bed's tests, which the bed's side runs, nor their
 #: bed-free twins (marked bed_twin), whose scenario and assertions those tests cover on real hosts.
@@ -166,17 +172,31 @@ def work(side: str) -> int:
         print(f"ci_queue [{side}]: {name} ...", flush=True)
         started, began = time.monotonic(), time.time()
         cpu_before = children_cpu_s()
+        # Each chunk in a cgroup of its own (ci_cpu.py): its CPU, and each of its tests', counts every
+        # process it starts, daemons and reparented ones too.
+        group = ci_cpu.make_group(name)
+        env = dict(os.environ)
+        if group is not None:
+            env[ci_cpu.CPU_GROUP_ENV] = str(group)
+            env[ci_cpu.CPU_LOG_ENV] = str(QUEUE / f"{index:02d}.tests.jsonl")
         with open(log, "w") as out:
-            rc = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(
+                command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env,
+                preexec_fn=ci_cpu.joiner(group),
+            ).returncode  # fmt: skip
         seconds = time.monotonic() - started
+        group_cpu = ci_cpu.usage_seconds(group) if group is not None else None
+        if group is not None:
+            ci_cpu.remove_group(group)
         record = {
             "name": name,
             "side": side,
             "rc": rc,
             "seconds": round(seconds, 1),
-            # The CPU its own processes used (those it waited for; not the bed's containers nor a
-            # podman container's): near the wall time, the chunk is CPU-bound; far below, it waits.
-            "cpu_seconds": round(children_cpu_s() - cpu_before, 1),
+            # The CPU of every process it started (its cgroup; where none could be made, only those it
+            # waited for); never a podman container's: near twice the wall time, the chunk had both
+            # cores; far below, it waited.
+            "cpu_seconds": round(group_cpu if group_cpu is not None else children_cpu_s() - cpu_before, 1),
             "began": round(began),
             "log": str(log),
         }
@@ -221,9 +241,43 @@ def report() -> int:
     print("== the slowest bed-free tests")
     for seconds, what in sorted(slowest, reverse=True)[:15]:
         print(f"  {seconds:7.1f}s {what}")
+    print_cpu_costs()
     print("== the bed-free chunks: who ran each, minutes (wall, then CPU), result")
     print("\n".join(table))
     return 1 if not_run or failed else 0
+
+
+def print_cpu_costs() -> None:
+    """Where CI's CPU went (ci_cpu.py's groups): the tests that cost the most, the bed's and the
+    bed-free tests alike, each with every process it started (a bed test with the containers' CPU in
+    its time), and the totals. On this CPU-bound machine that is what makes CI long."""
+    tests = []
+    for log in [*QUEUE.glob("*.tests.jsonl"), *ci_cpu.OUT.glob("*.tests.jsonl")]:
+        for line in log.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError):
+                entry = json.loads(line)
+                tests.append((entry["cpu_s"], entry["wall_s"], entry["test"]))
+    if not tests:
+        return
+    print("== the tests that cost the most CPU (CPU-s of every process each started, its wall seconds)")
+    for cpu, wall, test in sorted(tests, reverse=True)[:20]:
+        print(f"  {cpu:7.1f} CPU-s {wall:7.1f}s  {test}")
+    chunks_cpu = sum(
+        json.loads(done.read_text()).get("cpu_seconds") or 0 for done in QUEUE.glob("*.done.json")
+    )
+    bed = {}
+    with contextlib.suppress(OSError, ValueError):
+        bed = json.loads((ci_cpu.OUT / "bed.json").read_text())
+    bed_text = (
+        f"the bed's side {bed['cpu_seconds']:.0f} CPU-s on this machine (its containers' apart); "
+        if bed.get("cpu_seconds") is not None
+        else ""
+    )
+    measured = sum(test[0] for test in tests)
+    print(
+        f"   CPU: the bed-free chunks {chunks_cpu:.0f} CPU-s; {bed_text}{measured:.0f} CPU-s in the "
+        f"{len(tests)} tests measured"
+    )
 
 
 def main() -> int:

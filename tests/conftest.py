@@ -4,8 +4,11 @@ conftest.py files add their markers (local/: slow, testbed/: testbed); other are
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +49,52 @@ def pytest_sessionstart(session):
     left alone. The product's own fix (`trainer.torch_extensions remove-stale`), said aloud."""
     for lock in remove_stale():
         print(f"conftest: removed the stale torch extension build lock {lock['path']} (no process held it)")
+
+
+def _ci_cpu():
+    """scripts/ci_cpu.py where CI runs this test process in a cgroup of its own (ci_queue.py, .ci/run),
+    else None."""
+    if not os.environ.get("CLUSTERTRAIN_CI_CPU_GROUP"):
+        return None
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ci_cpu.py"
+    spec = importlib.util.spec_from_file_location("ci_cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CI_CPU = _ci_cpu()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    """In CI, each test's CPU seconds (every process it started, the bed's containers too for a bed
+    test) into CI's report of where the CPU goes (scripts/ci_cpu.py): on this CPU-bound machine the
+    tests that cost the most CPU are what make CI long, and wall times hide which those are."""
+    if CI_CPU is None:
+        yield
+        return
+    bed = item.get_closest_marker("testbed") is not None
+
+    def containers() -> float:
+        return (CI_CPU.containers_seconds("ct-") or 0.0) if bed else 0.0
+
+    def own() -> float:
+        return CI_CPU.usage_seconds(os.environ[CI_CPU.CPU_GROUP_ENV]) or 0.0
+
+    started, own_before, containers_before = time.monotonic(), own(), containers()
+    yield
+    # A container killed and started again (the node-loss tests) counts from zero: its part is then lost.
+    in_containers = max(0.0, containers() - containers_before)
+    entry = {
+        "test": item.nodeid,
+        "cpu_s": round(own() - own_before + in_containers, 1),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    with open(os.environ[CI_CPU.CPU_LOG_ENV], "a") as log:
+        log.write(json.dumps(entry) + "\n")
 
 
 @pytest.fixture

@@ -328,6 +328,7 @@ def site(*args: str, inventories: tuple[Path, ...] = ()) -> tuple[str, dict[str,
     """Run site.yml on the bed (its inventory, then `inventories` over it); its output and each host's
     (ok, changed) from the recap. A failing run fails the test with the output's end."""
     sources = [arg for path in (INVENTORY, *inventories) for arg in ("-i", str(path))]
+    started = time.monotonic()
     run = subprocess.run(
         [PLAYBOOK, *sources, str(REPO / "site.yml"), *args],
         capture_output=True,
@@ -343,6 +344,9 @@ def site(*args: str, inventories: tuple[Path, ...] = ()) -> tuple[str, dict[str,
         timeout=900,
     )
     out = run.stdout + run.stderr
+    # Each run's seconds and kind, in the bed log's captured output (-rP): where the bed's time goes.
+    kind = "roles skipped (converged)" if "the roles are skipped" in out else "roles run"
+    print(f"site.yml {' '.join(args)}: {time.monotonic() - started:.0f} s, {kind}, rc {run.returncode}")
     assert run.returncode == 0, out[-4000:]
     recap = {host: (int(ok), int(changed)) for host, ok, changed, _, _ in RECAP.findall(out)}
     return out, recap
