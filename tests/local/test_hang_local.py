@@ -1,12 +1,15 @@
 """A hang's culprit named by its process state, for real on two loopback "hosts" (issue 39): a rank of
 the bundled trainer stopped with SIGSTOP mid-run, and a user's command blocked in the kernel on a FUSE
 mount that never answers (state D; needs root). The launcher names the host and the rank with its
-state within about the stall bound, stops every process, and exits with HUNG (71)."""
+state within about the stall bound, stops every process, and exits with HUNG (71). A user's own
+torchrun all-reduce loop whose rank 1 sleeps outside the collective is named by the ranks' Python
+stacks (py-spy, the train extra), within a minute of the hang's start."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,12 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.loopback import VENV, write_inventory
 from helpers.loopback_launch import TINY, launch_command, launch_processes, run_env, trainer_pids
 from helpers.loopback_launch import loopback_cluster as _loopback_cluster  # noqa: F401 - the fixture, by its name
 
 from trainer import exitcodes
 
 STALL_S = 20
+HANG_SCRIPT = Path(__file__).resolve().parents[1] / "data" / "hang_user" / "allreduce_loop.py"
 
 
 @pytest.fixture
@@ -142,3 +147,58 @@ def test_a_command_blocked_on_a_hung_mount_names_the_node_and_the_file(loopback,
     assert f"blocked in openat on {mount}/shard-1.bin" in stop["cause"]["message"], stop
     for node in (0, 1):
         assert launch_processes(shared / "runs" / "dstate" / "launch" / f"node-{node}") == []
+
+
+def test_a_user_command_rank_sleeping_outside_its_collective_is_named_by_its_stack(tmp_path):
+    """`trainer launch -- torchrun allreduce_loop.py` on two loopback nodes, one rank each: rank 1
+    sleeps at step 5 while rank 0 waits in all_reduce. With --stall-timeout 20 the launcher finds the
+    silence, reads each rank's state and Python stack (py-spy) and names rank 1 on node1 with its top
+    frame, the sleep, within 60 s of the hang's start; it stops every process and exits HUNG (71)."""
+    if shutil.which("py-spy", path=str(VENV / "bin")) is None:
+        pytest.fail("py-spy is not in the test venv: make install-train installs the train extra with it")
+    workdir = tmp_path / "code"
+    workdir.mkdir()
+    shutil.copy(HANG_SCRIPT, workdir)
+    mark = workdir / "hang-mark"
+    inventory, shared = write_inventory(tmp_path, training_workdir=str(workdir))
+    command = [
+        *launch_command(inventory, "--run-name", "usersleep", "--stall-timeout", str(STALL_S)),
+        *("--env", f"HANG_MARK={mark}", "--", "torchrun", "allreduce_loop.py"),
+    ]
+    started = time.monotonic()
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env(tmp_path)
+    )
+    lines, named_at = [], None
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:  # the culprit's line timed as it arrives
+            lines.append(line)
+            if named_at is None and line.startswith("culprit: "):
+                named_at = time.time()
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    out = "".join(lines)
+    print(out, f"launch to end {time.monotonic() - started:.0f} s", sep="\n")
+    assert launcher.returncode == exitcodes.HUNG, out
+    hung_at = float(mark.read_text())
+    assert named_at is not None, out
+    print(f"hang's start to the culprit named: {named_at - hung_at:.1f} s (--stall-timeout {STALL_S})")
+    assert named_at - hung_at < 60, f"named {named_at - hung_at:.0f} s after the hang began: {out}"
+    sleep_frame = "hang (allreduce_loop.py:20: time.sleep(3600))"
+    culprit = next(line for line in lines if line.startswith("culprit: "))
+    assert culprit.startswith(
+        f"culprit: not in the collective its peers wait in (all_reduce): at {sleep_frame} ← main "
+    ), culprit
+    assert "(rank 1 on node1 (node 1), exit code 71)" in culprit, culprit
+    assert "then: rank 0 on node0 (node 0): waiting in all_reduce, called at main (allreduce_loop.py:" in out
+    assert f"stack of rank 1 on node1 (node 1) (py-spy, innermost first):\n  {sleep_frame}" in out, out
+    history = (shared / "runs" / "usersleep" / "launch" / "history.jsonl").read_text().splitlines()
+    stop = [r for r in map(json.loads, history) if r.get("event") == "stopped"][-1]
+    assert (stop["why"], stop["hosts"], stop["exit_code"]) == ("hung", ["node1"], exitcodes.HUNG), stop
+    assert (stop["cause"]["host"], stop["cause"]["rank"]) == ("node1", 1), stop
+    assert sleep_frame in stop["cause"]["message"], stop
+    for node in (0, 1):
+        assert launch_processes(shared / "runs" / "usersleep" / "launch" / f"node-{node}") == []

@@ -2,7 +2,9 @@
 processes: a rank stopped with SIGSTOP (state T), a rank blocked on a FUSE mount that never answers
 (state D, with the file it waits on; needs root for the mount), their peers sleeping. The stopped or
 blocked rank is the cause with its own exit code, the others its consequence; a node at fault (state
-D) is left out by --exclude-failed as a lost node is; a stall without such a rank stays a stall."""
+D) is left out by --exclude-failed as a lost node is; a stall without such a rank stays a stall. And
+by the ranks' Python stacks (a user's command; py-spy dumps recorded from real ranks): the rank that
+is not in the collective its peers wait in is the cause."""
 
 from __future__ import annotations
 
@@ -34,7 +36,10 @@ from trainer.controller.launcher.live import JobMonitor, LiveView
 from trainer.controller.launcher.plan import make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
 
-NODE_CTL = Path(__file__).resolve().parents[3] / "trainer/controller/launcher/playbooks/files/node_ctl.py"
+REPO = Path(__file__).resolve().parents[3]
+NODE_CTL = REPO / "trainer/controller/launcher/playbooks/files/node_ctl.py"
+#: py-spy dumps (`py-spy dump --json`) of real ranks of tests/data/hang_user/allreduce_loop.py.
+STACKS = REPO / "tests" / "data" / "hang_user"
 LAUNCH_ID = "hang-test-1"
 
 
@@ -381,3 +386,94 @@ def test_a_node_whose_port_its_peers_get_no_answer_from_is_cut_off(tmp_path):
     )
     assert diagnosis.at_fault == ["w2"], "its node is at fault: --exclude-failed leaves it out"
     assert f"then: head (node 0): waiting in its collective: no answer from w2 on port {port}" in shown, shown
+
+
+def recorded_stack(name: str) -> list[dict]:
+    """A rank's frames as node_ctl's states answer carries them: node_ctl.main_thread_frames over a
+    py-spy dump recorded from a real rank (tests/data/hang_user/stack-NAME.json, the repository's
+    path written as {REPO}, so the source lines are read from this checkout)."""
+    recorded = json.loads((STACKS / f"stack-{name}.json").read_text())
+    dump = json.dumps(recorded["dump"]).replace("{REPO}", str(REPO))
+    return node_ctl().main_thread_frames(dump, recorded["pid"])
+
+
+def rank_record(rank: int, stack: str | None = None, state: str = "S", **extra) -> dict:
+    record = {
+        "pid": 100 + rank,
+        "ppid": 1,
+        "state": state,
+        "rank": rank,
+        "wchan": "futex_wait_queue",
+        **extra,
+    }
+    return {**record, "stack": recorded_stack(stack)} if stack else record
+
+
+def stacked_stall(head: list[dict], w1: list[dict]) -> tuple[Diagnosis, str]:
+    """A user's command stalled on two nodes whose states answer carried these records."""
+    out = io.StringIO()
+    with LiveView(Console(file=out, force_terminal=False, width=400)) as view:
+        monitor = stalled_monitor(view)
+        monitor.hosts["head"].proc_states, monitor.hosts["w1"].proc_states = head, w1
+        return rendered(monitor, view, out)
+
+
+SLEEP_FRAME = "hang (allreduce_loop.py:20: time.sleep(3600))"
+
+
+def test_a_rank_outside_the_collective_its_peers_wait_in_is_named_by_its_stack():
+    diagnosis, shown = stacked_stall([rank_record(0, "waiting")], [rank_record(1, "sleeping")])
+    cause = diagnosis.cause
+    assert (cause.kind, cause.host, cause.rank, cause.code) == ("hung", "w1", 1, exitcodes.HUNG), shown
+    assert cause.message.startswith(
+        f"not in the collective its peers wait in (all_reduce): at {SLEEP_FRAME} ← main (allreduce_loop.py:"
+    ), cause.message
+    assert cause.message.endswith("— sleeping — state S, in futex_wait_queue"), cause.message
+    waits = "waiting in all_reduce, called at main (allreduce_loop.py:31: dist.all_reduce(total))"
+    assert f"then: rank 0 on head (node 0): {waits} (sleeping — state S" in shown, shown
+    assert f"stack of rank 1 on w1 (node 1) (py-spy, innermost first):\n  {SLEEP_FRAME}" in shown, shown
+    assert diagnosis.restartable and diagnosis.at_fault == [], "the job's fault, not the node's"
+
+
+def test_the_stacks_name_nobody_where_every_rank_or_none_is_in_a_collective():
+    """Every rank in its collective (a collective that never completes: a peer lost, a partition) or
+    none in one (nothing to be outside of): no culprit by the stacks, the stall stays a stall, and
+    each rank's line says where its Python was, or why its stack could not be read."""
+    diagnosis, shown = stacked_stall([rank_record(0, "waiting")], [rank_record(1, "waiting")])
+    assert diagnosis.cause.kind == "stall" and diagnosis.code == exitcodes.FAILURE, shown
+    assert (
+        "process state: rank 1 on w1 (node 1): sleeping — state S, in futex_wait_queue; at all_reduce ("
+        in shown
+    )
+    diagnosis, _ = stacked_stall([rank_record(0, "sleeping")], [rank_record(1, "sleeping")])
+    assert diagnosis.cause.kind == "stall"
+    blocked = node_ctl().stack_blocker("/venv/bin/py-spy", 2)
+    diagnosis, shown = stacked_stall([rank_record(0, "waiting")], [rank_record(1, stack_error=blocked)])
+    assert diagnosis.cause.kind == "stall", "one rank's stack, in a collective, tells nothing alone"
+    assert (
+        "rank 1 on w1 (node 1): sleeping — state S, in futex_wait_queue; no stack: kernel.yama.ptrace_scope "
+        "is 2 on this node (only root may attach a debugger)" in shown
+    ), shown
+
+
+def test_a_stopped_rank_comes_before_a_rank_outside_the_collective():
+    """The kernel's states first: a stopped rank is the cause even where another rank's stack is
+    outside the collective; that one is named among the consequences with where it was."""
+    diagnosis, shown = stacked_stall(
+        [rank_record(0, "waiting"), rank_record(1, "sleeping")], [rank_record(2, state="T")]
+    )
+    assert (diagnosis.cause.host, diagnosis.cause.rank) == ("w1", 2), shown
+    assert diagnosis.cause.message.startswith("stopped (SIGSTOP or another stop signal) — state T"), shown
+    assert f"then: rank 1 on head (node 0): not in a collective either: at {SLEEP_FRAME}" in shown, shown
+
+
+def test_why_a_node_cannot_read_its_ranks_stacks():
+    ctl = node_ctl()
+    assert "py-spy is not installed in the training venv" in ctl.stack_blocker(None, None)
+    assert ctl.stack_blocker("/venv/bin/py-spy", 3).startswith(
+        "kernel.yama.ptrace_scope is 3 on this node (no process may attach a debugger): the ranks' stacks "
+        "cannot be read"
+    )
+    # No Yama, or Yama's classic (0) and descendants-only (1) scopes: py-spy may try (under 1 the ranks
+    # allow it: trainer/stack_access.py).
+    assert [ctl.stack_blocker("/venv/bin/py-spy", scope) for scope in (None, 0, 1)] == ["", "", ""]

@@ -423,7 +423,7 @@ def _stall_events(monitor: JobMonitor, now: float) -> list[Event]:
             culprit.node_rank,
             "hung",
             exitcodes.HUNG,
-            culprit.what if culprit.rank is not None else f"{culprit.label}: {culprit.what}",
+            hang.culprit_text,
             culprit.rank,
             node_at_fault=hang.node_at_fault,
             detail=f"found by the stall watchdog: {stall.summary}",
@@ -536,6 +536,10 @@ def _render_stall(
         )
         for host, _, _ in stall.behind:
             last_lines(host, monitor, view, count=10)
+        if (hang := stall_hang(monitor)) is not None and hang.culprit.frames:
+            view.message(f"stack of {escape(hang.culprit.where)} (py-spy, innermost first):")
+            for frame in hang.culprit.frames[:20]:
+                view.log(f"  {frame.text}")
         return
     behind = stall.behind
     if behind:

@@ -9,13 +9,16 @@ in this order:
 - a rank in uninterruptible sleep (state D: blocked in the kernel, on a hung mount or device), with
   what it waits on when the kernel says: its node is at fault (the restart policy leaves such a node
   out with --exclude-failed, as a lost one);
-- a rank gone (or a zombie) while its peers wait in their collective.
+- a rank gone (or a zombie) while its peers wait in their collective;
+- a rank outside the collective its peers wait in, by each rank's Python stack (a user's command:
+  node_ctl.add_stacks reads them with py-spy): some ranks' stacks are in a torch.distributed
+  collective (all_reduce, barrier, ...) and this one's is not (it sleeps, loads, computes elsewhere).
 The first (by that order, then node and rank) is the cause; every other rank is its consequence,
-waiting in its collective (or also stopped, blocked or gone). Where no rank is in such a state (a rank
-sleeping outside a collective sleeps as its waiting peers do), there is no culprit here and the stall
-stays a stall: the progress records name the ranks behind, unless a node is cut off from its peers
-(find_partition: a partial partition, its collective port dropped while SSH works; every rank waits
-in its collective, state S, so the states alone cannot tell it).
+waiting in its collective (or also stopped, blocked, gone or outside). Where no rank is in such a
+state and no stack tells (a rank sleeping outside a collective sleeps as its waiting peers do), there
+is no culprit here and the stall stays a stall: the progress records name the ranks behind, unless a
+node is cut off from its peers (find_partition: a partial partition, its collective port dropped while
+SSH works; every rank waits in its collective, state S, so the states alone cannot tell it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ from trainer.controller.launcher.live import printable
 
 #: The states that make a culprit, first the strongest (a stop is never a wait's consequence).
 CULPRIT_ORDER = {"T": 0, "t": 0, "D": 1, "gone": 2, "Z": 2}
+#: torch.distributed's collectives and point-to-point calls (and DeepSpeed's comm wrappers of the same
+#: names): a rank whose stack holds one of these, in those packages' files, waits in a collective.
+COLLECTIVE_CALLS = frozenset(
+    {
+        "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
+        "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+        "broadcast_object_list", "barrier", "monitored_barrier", "all_to_all", "all_to_all_single",
+        "gather", "gather_object", "scatter", "scatter_object_list", "reduce", "send", "recv",
+        "batch_isend_irecv", "inference_all_reduce",
+    }
+)  # fmt: skip
+COLLECTIVE_FILES = ("torch/distributed/", "deepspeed/comm/")
 
 
 def _int(value: Any) -> int | None:
@@ -36,6 +51,44 @@ def _int(value: Any) -> int | None:
 
 def _text(value: Any, limit: int = 200) -> str:
     return printable(str(value))[:limit] if isinstance(value, str) else ""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of a rank's Python stack, as node_ctl.main_thread_frames reports it."""
+
+    name: str
+    file: str
+    line: int
+    code: str = ""
+    """The source line it runs, where the node could read it."""
+
+    @classmethod
+    def of(cls, record: Any) -> Frame | None:
+        if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+            return None
+        return cls(
+            _text(record["name"], 120), _text(record.get("file"), 400), _int(record.get("line")) or 0,
+            _text(record.get("code"), 200),
+        )  # fmt: skip
+
+    @property
+    def short_file(self) -> str:
+        """A package's file from its package on (`torch/distributed/distributed_c10d.py`), else its name."""
+        for marker in ("site-packages/", "dist-packages/"):
+            if marker in self.file:
+                return self.file.rsplit(marker, 1)[1]
+        return self.file.rsplit("/", 1)[-1]
+
+    @property
+    def collective(self) -> bool:
+        return self.name in COLLECTIVE_CALLS and any(part in self.file for part in COLLECTIVE_FILES)
+
+    @property
+    def text(self) -> str:
+        """`main (hang.py:21: time.sleep(600))`."""
+        code = f": {self.code}" if self.code else ""
+        return f"{self.name} ({self.short_file}:{self.line}{code})"
 
 
 @dataclass(frozen=True)
@@ -55,6 +108,10 @@ class RankState:
     command: str = ""
     of_rank_pid: int | None = None
     """Set when the state is a process of the rank's other than its main one (a data loader's, say)."""
+    frames: tuple[Frame, ...] = ()
+    """Its main thread's Python stack, innermost first (py-spy; a user's command only)."""
+    stack_error: str = ""
+    """Why its stack could not be read, where it was asked."""
 
     @classmethod
     def of(cls, host: str, node_rank: int, record: Any) -> RankState | None:
@@ -72,11 +129,34 @@ class RankState:
             _text(record.get("waits_on"), 400),
             _text(record.get("command")),
             _int(record.get("of_rank_pid")),
+            tuple(f for f in map(Frame.of, stack[:32]) if f is not None)
+            if isinstance(stack := record.get("stack"), list)
+            else (),
+            _text(record.get("stack_error"), 500),
         )
 
     @property
     def telling(self) -> bool:
         return self.state in CULPRIT_ORDER
+
+    @property
+    def collective(self) -> str:
+        """`all_reduce, called at main (script.py:14: dist.all_reduce(t))`: the collective its stack is
+        in (the outermost of torch's own frames of that name) and the caller's frame; '' if none."""
+        inside = [i for i, frame in enumerate(self.frames) if frame.collective]
+        if not inside:
+            return ""
+        outermost = inside[-1]
+        caller = next(
+            (f for f in self.frames[outermost + 1 :] if not any(p in f.file for p in COLLECTIVE_FILES)), None
+        )
+        name = self.frames[outermost].name
+        return f"{name}, called at {caller.text}" if caller is not None else name
+
+    @property
+    def top_frames(self) -> str:
+        """Its two innermost frames, innermost first: `main (hang.py:21: time.sleep(600)) ← ...`."""
+        return " ← ".join(frame.text for frame in self.frames[:2])
 
     @property
     def label(self) -> str:
@@ -127,15 +207,32 @@ class Hang:
     culprit: RankState
     others: list[RankState]
     """Every other rank reported, in node and rank order: each a consequence of the culprit."""
+    waited_in: str = ""
+    """Named by the stacks: the collective the other ranks wait in (the culprit's is not one)."""
 
     @property
     def node_at_fault(self) -> bool:
         """Blocked in the kernel (a hung mount, a device): the node, not the job, is at fault."""
         return self.culprit.state == "D"
 
+    @property
+    def culprit_text(self) -> str:
+        """What the culprit was doing: its state, or (named by the stacks) where its Python was."""
+        culprit = self.culprit
+        if self.waited_in and not culprit.telling:
+            return (
+                f"not in the collective its peers wait in ({self.waited_in.split(',')[0]}): at "
+                f"{culprit.top_frames} — {culprit.what}"
+            )
+        return culprit.what if culprit.rank is not None else f"{culprit.label}: {culprit.what}"
+
     def consequence_text(self, other: RankState) -> str:
         if other.telling:
             text = f"also {other.what}"
+        elif other.collective:
+            text = f"waiting in {other.collective} ({other.what})"
+        elif other.frames:  # its stack is read, and outside any collective
+            text = f"not in a collective either: at {other.top_frames} ({other.what})"
         else:
             text = f"waiting in its collective ({other.what})" if other.rank is not None else other.what
         # Event.where names a rank, not a process without one: its label goes first.
@@ -180,7 +277,7 @@ def find_hang(
     states = rank_states(reports, node_ranks, expected)
     telling = [s for s in states if s.telling]
     if not telling:
-        return None
+        return stack_hang(states)
     culprit = min(
         telling,
         key=lambda s: (CULPRIT_ORDER[s.state], s.node_rank, s.rank if s.rank is not None else 1 << 30),
@@ -188,9 +285,28 @@ def find_hang(
     return Hang(culprit, [s for s in states if s is not culprit])
 
 
+def stack_hang(states: list[RankState]) -> Hang | None:
+    """The rank outside the collective its peers wait in, by their stacks (states in node and rank
+    order): where some ranks' stacks are in a collective and others' are not, the first of those is
+    the culprit. None where every stack read is in a collective (a collective that never completes:
+    a lost peer, a partition) or none is (no collective to be outside of)."""
+    stacked = [s for s in states if s.rank is not None and s.frames]
+    waiting = [s for s in stacked if s.collective]
+    outside = [s for s in stacked if not s.collective]
+    if not waiting or not outside:
+        return None
+    culprit = outside[0]
+    return Hang(culprit, [s for s in states if s is not culprit], waited_in=waiting[0].collective)
+
+
 def state_lines(reports: Mapping[str, list[Any] | None], node_ranks: Mapping[str, int]) -> list[str]:
-    """One line per reported rank, for a stall without a culprit (where each one was, by the kernel)."""
-    return [f"{s.where}: {s.what}" for s in rank_states(reports, node_ranks, {})]
+    """One line per reported rank, for a stall without a culprit (where each one was, by the kernel,
+    and by its stack where read)."""
+    lines = []
+    for s in rank_states(reports, node_ranks, {}):
+        at = f"; at {s.top_frames}" if s.frames else f"; no stack: {s.stack_error}" if s.stack_error else ""
+        lines.append(f"{s.where}: {s.what}{at}")
+    return lines
 
 
 @dataclass(frozen=True)

@@ -494,7 +494,9 @@ class Launcher:
             # answers (a node that does not answer it) complete it for the report (_diagnosed).
             early = diagnose(monitor, bundled=plan.runs_bundled_trainer)
             if stall is not None:
-                view.message(f"stalled ({stall.summary}): reading each rank's process state")
+                # A user's command: its ranks' Python stacks too (py-spy), in the same read.
+                what = "process state" if plan.runs_bundled_trainer else "process state and Python stack"
+                view.message(f"stalled ({stall.summary}): reading each rank's {what}")
                 early = self._stall_culprit(monitor, view, set(early.lost) if early is not None else set())
             elif early is not None:
                 view.message(f"{early.cause_phrase}; stopping the trainer on every host that answers")

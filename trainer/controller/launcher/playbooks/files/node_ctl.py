@@ -23,7 +23,8 @@ copied first (one round trip per step, and no secret on a command line):
 - states: each rank's process state (the kernel's, see process_states), read at a stall before the
   stop, so that the culprit is named (and the stop's history record carries it) before the stacks and
   the TERM; signals nothing; with `peers` and `port`, whether each peer answers a connect on the port
-  (reach_peers: a peer whose firewall drops the collective ports never answers);
+  (reach_peers: a peer whose firewall drops the collective ports never answers); with `stacks` (a
+  user's command), each rank's Python stack by py-spy (add_stacks);
 - stop: each rank's process state (`states`: the kernel's, see process_states) and the stacks of the
   trainer's ranks when asked (a stall), then TERM to run.sh's process group (a stopped process of the
   launch continued to take it) and KILL to whatever is left after the grace period.
@@ -441,6 +442,10 @@ def _log_age(node_dir: Path) -> float | None:
         return None
 
 
+#: How long py-spy may take over one rank (it pauses the rank while it reads its stack).
+PY_SPY_TIMEOUT_S = 10.0
+
+
 def _py_spy(venv_bin: str) -> str | None:
     import shutil
 
@@ -450,14 +455,33 @@ def _py_spy(venv_bin: str) -> str | None:
     return None
 
 
+def _py_spy_dump(spy: str, pid: int, *options: str) -> tuple[str, str]:
+    """(py-spy's dump of `pid`, '') or ('', why not): its last error line, or that it timed out."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            [spy, "dump", "--pid", str(pid), *options],
+            capture_output=True,
+            text=True,
+            timeout=PY_SPY_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return "", f"py-spy did not answer within {PY_SPY_TIMEOUT_S:g} s"
+    except OSError as err:
+        return "", f"py-spy could not run: {err}"
+    if done.returncode == 0 and done.stdout.strip():
+        return done.stdout.strip(), ""
+    lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+    return "", f"py-spy failed: {lines[-1][:300] if lines else f'exit code {done.returncode}'}"
+
+
 def stacks(node_dir: Path, venv_bin: str) -> dict[str, str]:
     """rank -> the Python stack of each live rank of the bundled trainer.
 
     py-spy (if installed in the venv or on PATH, and allowed to attach without root) gives native and
     Python frames; otherwise the rank's own faulthandler writes its threads' stacks when it gets
     SIGUSR1 (trainer.node.progress registers that; no ptrace, no root)."""
-    import subprocess
-
     found: dict[str, str] = {}
     launch_id = _launch_id(node_dir)
     spy = _py_spy(venv_bin)
@@ -466,15 +490,10 @@ def stacks(node_dir: Path, venv_bin: str) -> dict[str, str]:
         if not pid or f"{TAG_VARIABLE}={launch_id}".encode() not in _environ(pid):
             continue  # not this launch's process (gone, or the pid was reused)
         if spy:
-            try:
-                done = subprocess.run(
-                    [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20
-                )
-                if done.returncode == 0 and done.stdout.strip():
-                    found[rank] = f"(py-spy)\n{done.stdout.strip()}"
-                    continue
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+            dump, _ = _py_spy_dump(spy, pid)
+            if dump:
+                found[rank] = f"(py-spy)\n{dump}"
+                continue
         stack_file = record.get("stack_file")
         if record.get("stack_signal") != "SIGUSR1" or not stack_file:
             continue
@@ -499,6 +518,120 @@ def stacks(node_dir: Path, venv_bin: str) -> dict[str, str]:
         if text:
             found[rank] = f"(faulthandler)\n{text}"
     return found
+
+
+# --- where each rank's Python is at a stall (a user's command: no faulthandler of ours) -----------
+
+#: The frames kept of a rank's stack (innermost first), and how many of them get their source line.
+STACK_FRAMES = 24
+SOURCE_LINES = 3
+#: Yama's ptrace_scope (kernel.yama.ptrace_scope): who may attach a debugger.
+YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+
+def _ptrace_scope() -> int | None:
+    try:
+        return int(Path(YAMA_SCOPE).read_text().strip())
+    except (OSError, ValueError):
+        return None  # no Yama: any process of the account may attach
+
+
+def stack_blocker(spy: str | None, scope: int | None) -> str:
+    """Why no rank's stack can be read on this node ('' where py-spy may try)."""
+    if spy is None:
+        return (
+            "py-spy is not installed in the training venv (the project's train extra has it: provision "
+            "the nodes again)"
+        )
+    if scope is not None and scope >= 2:
+        who = "only root" if scope == 2 else "no process"
+        return (
+            f"kernel.yama.ptrace_scope is {scope} on this node ({who} may attach a debugger): the ranks' "
+            "stacks cannot be read as the training user; the culprit is named by process state only"
+        )
+    return ""
+
+
+def _source_line(path: str, number: int) -> str:
+    """Line `number` of the file `path` (what the frame runs), stripped; '' where it cannot be read."""
+    if number < 1 or not path.endswith(".py"):
+        return ""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as source:
+            for index, line in enumerate(source, 1):
+                if index == number:
+                    return line.strip()[:200]
+    except OSError:
+        pass
+    return ""
+
+
+def main_thread_frames(dump: str, pid: int) -> list[dict]:
+    """The main thread's frames from `py-spy dump --json` (innermost first): name, file, line, and the
+    source line of the innermost frame and of the first frames of the job's own code (outside any
+    installed package: the caller of a collective), SOURCE_LINES at most. The main thread is the one
+    whose OS thread id is the pid."""
+    threads = json.loads(dump)
+    if not isinstance(threads, list) or not threads:
+        return []
+    main = next((t for t in threads if isinstance(t, dict) and t.get("os_thread_id") == pid), None)
+    main = main or next(
+        (t for t in threads if isinstance(t, dict) and t.get("thread_name") == "MainThread"), None
+    )
+    main = main or threads[0]
+    frames, sources = [], 0
+    for frame in (main.get("frames") or [])[:STACK_FRAMES] if isinstance(main, dict) else []:
+        if not isinstance(frame, dict):
+            continue
+        path, line = str(frame.get("filename") or ""), frame.get("line")
+        line = line if isinstance(line, int) else 0
+        entry = {"name": str(frame.get("name") or "?"), "file": path, "line": line}
+        if sources < SOURCE_LINES and (not frames or "-packages/" not in path):
+            with contextlib.suppress(OSError):  # a script named relative to the rank's directory
+                path = path if path.startswith("/") else os.path.join(os.readlink(f"/proc/{pid}/cwd"), path)
+            entry["code"] = _source_line(path, line)
+            sources += 1
+        frames.append(entry)
+    return frames
+
+
+def add_stacks(records: list[dict], venv_bin: str) -> None:
+    """Each running or sleeping rank's Python stack, its main thread's frames (main_thread_frames), as
+    `stack`; or why not as `stack_error`. For a stall of a user's command, whose ranks register no
+    stack dump of ours: py-spy reads it, pausing the rank a moment. A rank stopped, blocked (py-spy
+    would wait on a rank in state D) or exited is left out: its state says more."""
+    ranks = [r for r in records if r.get("rank") is not None and r.get("state") not in TELLING_STATES]
+    if not ranks:
+        return
+    spy, scope = _py_spy(venv_bin), _ptrace_scope()
+    blocker = stack_blocker(spy, scope)
+    for record in ranks:
+        if blocker or spy is None:
+            record["stack_error"] = blocker
+            continue
+        try:
+            owner = os.stat(f"/proc/{record['pid']}").st_uid
+        except OSError:
+            continue  # gone meanwhile
+        if os.geteuid() == 0 and owner != 0:
+            # Root neither attaches to another account's process nor reads the files it names.
+            record["stack_error"] = "not read as root: the stacks are read as the training user"
+            continue
+        dump, error = _py_spy_dump(spy, record["pid"], "--json")
+        try:
+            frames = main_thread_frames(dump, record["pid"]) if dump else []
+        except ValueError:
+            frames, error = [], "py-spy's answer was not JSON"
+        if frames:
+            record["stack"] = frames
+            continue
+        if scope == 1 and not error.startswith("py-spy did not"):
+            # Attaching needs the rank's leave under ptrace_scope 1 (trainer/stack_access.py).
+            error += (
+                " (kernel.yama.ptrace_scope is 1: a rank allows its account's py-spy only where it runs "
+                "the training venv's python, whose clustertrain-stack-access.pth asks for it)"
+            )
+        record["stack_error"] = error or "py-spy found no Python stack"
 
 
 # --- what the kernel says of each rank at a stall (the culprit by its process state) ---------------
@@ -1173,7 +1306,10 @@ def serve(request: dict) -> int:
                 bool(request.get("quiet")),
             )
         elif op == "states":
-            result = {"proc_states": process_states(Path(request["node_dir"]))}
+            states = process_states(Path(request["node_dir"]))
+            if request.get("stacks"):  # a user's command: where each rank's Python is (py-spy)
+                add_stacks(states, str(request.get("venv_bin") or ""))
+            result = {"proc_states": states}
             if request.get("peers"):  # a partial partition: who answers this node on the port
                 port = int(request["port"])
                 result["reach"] = {"port": port, "peers": reach_peers(request["peers"], port)}
