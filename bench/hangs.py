@@ -16,12 +16,15 @@ Kinds:
   (`TRAINER_TEST_STALL=1:6`), injected when its record of step 5 done was written;
 - `torchrun-sigstop`: your own command, `torchrun` of a script that all-reduces in a loop and prints
   every 20 iterations (no progress files), node1's rank stopped with SIGSTOP;
+- `torchrun-sleep`: your own command, tests/data/hang_user/allreduce_loop.py (an all-reduce a step),
+  node1's rank sleeping outside the collective from step 20 (named by the ranks' py-spy stacks);
 - `dstate`: your own command, node1's process reading a file of a FUSE mount that never answers
   (state D, as on a hard NFS mount whose server stopped; root only, tests/helpers/hung_mount.py),
   injected when the process entered state D.
 
 Run (no bed needed; about a minute or two per kind on 2 loaded cores):
-    .venv/bin/python bench/hangs.py [--kinds sigstop,sleep,torchrun-sigstop,dstate] [--stall-timeout 20]
+    .venv/bin/python bench/hangs.py [--kinds sigstop,sleep,torchrun-sigstop,torchrun-sleep,dstate]
+                                    [--stall-timeout 20]
                                     [--log FILE]
 """
 
@@ -46,7 +49,9 @@ from helpers.hung_mount import hung_mount  # noqa: E402 - the tests' helpers: on
 from helpers.loopback import write_inventory  # noqa: E402
 from helpers.loopback_launch import TINY, environ, launch_command, trainer_pids  # noqa: E402
 
-KINDS = ("sigstop", "sleep", "torchrun-sigstop", "dstate")
+KINDS = ("sigstop", "sleep", "torchrun-sigstop", "torchrun-sleep", "dstate")
+#: A user's all-reduce loop whose rank HANG_RANK sleeps outside the collective at step HANG_STEP.
+HANG_LOOP = REPO / "tests" / "data" / "hang_user" / "allreduce_loop.py"
 #: A user's torchrun script with its own all-reduce loop (gloo on the CPU), printing as it goes.
 ALLREDUCE_LOOP = """
 import os, time
@@ -163,6 +168,14 @@ def run_kind(kind: str, root: Path, stall_s: float) -> dict:
         for pid in rank1:
             os.kill(pid, signal.SIGSTOP)
         injected = time.monotonic()
+    elif kind == "torchrun-sleep":
+        mark = root / "hang-mark"
+        command = ["--", "torchrun", "--nproc-per-node", "1", str(HANG_LOOP)]
+        launch = Launch([*base, "--env", f"HANG_MARK={mark}", "--env", "HANG_STEP=20", *command])
+        wait_for(mark.exists, "rank 1's sleep", launch)
+        time.sleep(0.5)  # the mark is written whole before the rank sleeps
+        # The mark holds the time the rank began its sleep.
+        injected = time.monotonic() - (time.time() - float(mark.read_text()))
     else:
         return run_dstate(root, base, node1)
     return measured(kind, launch, injected)
