@@ -14,10 +14,10 @@ Kinds:
 - `sigstop`: the bundled trainer (ddp), node1's rank stopped with SIGSTOP at step 4 or later;
 - `sleep`: the bundled trainer, node1's rank sleeping outside a collective before step 6
   (`TRAINER_TEST_STALL=1:6`), injected when its record of step 5 done was written;
-- `torchrun-sigstop`: your own command, `torchrun` of a script that all-reduces in a loop and prints
-  every 20 iterations (no progress files), node1's rank stopped with SIGSTOP;
-- `torchrun-sleep`: your own command, tests/data/hang_user/allreduce_loop.py (an all-reduce a step),
-  node1's rank sleeping outside the collective from step 20 (named by the ranks' py-spy stacks);
+- `torchrun-sigstop`: your own command, `torchrun` of tests/data/hang_user/allreduce_loop.py (an
+  all-reduce and a line a step, no progress files), node1's rank stopping itself with SIGSTOP at step 20;
+- `torchrun-sleep`: the same, node1's rank sleeping outside the collective from step 20 (named by the
+  ranks' py-spy stacks);
 - `dstate`: your own command, node1's process reading a file of a FUSE mount that never answers
   (state D, as on a hard NFS mount whose server stopped; root only, tests/helpers/hung_mount.py),
   injected when the process entered state D.
@@ -52,20 +52,6 @@ from helpers.loopback_launch import TINY, environ, launch_command, trainer_pids 
 KINDS = ("sigstop", "sleep", "torchrun-sigstop", "torchrun-sleep", "dstate")
 #: A user's all-reduce loop whose rank HANG_RANK sleeps outside the collective at step HANG_STEP.
 HANG_LOOP = REPO / "tests" / "data" / "hang_user" / "allreduce_loop.py"
-#: A user's torchrun script with its own all-reduce loop (gloo on the CPU), printing as it goes.
-ALLREDUCE_LOOP = """
-import os, time
-print(f"rank {os.environ['RANK']} importing torch", flush=True)
-import torch, torch.distributed as dist
-print(f"rank {os.environ['RANK']} joining the process group", flush=True)
-dist.init_process_group("gloo")
-t = torch.ones(1)
-for i in range(1_000_000):
-    dist.all_reduce(t)
-    if i % 20 == 0:
-        print(f"rank {dist.get_rank()} iteration {i}", flush=True)
-    time.sleep(0.01)
-"""
 
 
 class Launch:
@@ -155,26 +141,16 @@ def run_kind(kind: str, root: Path, stall_s: float) -> dict:
         wait_for(lambda: int(progress(node1, 1).get("done") or 0) >= 5, "rank 1's step 5 done", launch)
         # The rank sleeps right after writing that record: its age is how long ago the sleep began.
         injected = time.monotonic() - (time.time() - record.stat().st_mtime)
-    elif kind == "torchrun-sigstop":
-        script = shared / "allreduce_loop.py"
-        script.write_text(ALLREDUCE_LOOP)
-        launch = Launch([*base, "--", "torchrun", "--nproc-per-node", "1", str(script)])
-        wait_for(lambda: any("iteration 100" in text for _, text in launch.lines), "100 iterations", launch)
-        rank1 = wait_for(
-            lambda: [p for p in node_pids(node1, "allreduce_loop.py") if b"RANK=1" in environ(p)],
-            "node1's rank",
-            launch,
-        )
-        for pid in rank1:
-            os.kill(pid, signal.SIGSTOP)
-        injected = time.monotonic()
-    elif kind == "torchrun-sleep":
+    elif kind in ("torchrun-sigstop", "torchrun-sleep"):
+        # The rank hangs itself (HANG=stop: SIGSTOP; sleep: outside the collective) at step 20.
         mark = root / "hang-mark"
+        hang = "stop" if kind == "torchrun-sigstop" else "sleep"
         command = ["--", "torchrun", "--nproc-per-node", "1", str(HANG_LOOP)]
-        launch = Launch([*base, "--env", f"HANG_MARK={mark}", "--env", "HANG_STEP=20", *command])
-        wait_for(mark.exists, "rank 1's sleep", launch)
-        time.sleep(0.5)  # the mark is written whole before the rank sleeps
-        # The mark holds the time the rank began its sleep.
+        settings = ["--env", f"HANG_MARK={mark}", "--env", "HANG_STEP=20", "--env", f"HANG={hang}"]
+        launch = Launch([*base, *settings, *command])
+        wait_for(mark.exists, f"rank 1's {hang}", launch)
+        time.sleep(0.5)  # the mark is written whole before the rank hangs
+        # The mark holds the time the rank's hang began.
         injected = time.monotonic() - (time.time() - float(mark.read_text()))
     else:
         return run_dstate(root, base, node1)
