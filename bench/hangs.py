@@ -50,7 +50,7 @@ from helpers.loopback import write_inventory  # noqa: E402
 from helpers.loopback_launch import TINY, environ, launch_command, trainer_pids  # noqa: E402
 
 KINDS = ("sigstop", "sleep", "torchrun-sigstop", "torchrun-sleep", "dstate")
-#: A user's all-reduce loop whose rank HANG_RANK sleeps outside the collective at step HANG_STEP.
+#: A user's all-reduce loop whose rank HANG_RANK hangs at step HANG_STEP (HANG=sleep or stop).
 HANG_LOOP = REPO / "tests" / "data" / "hang_user" / "allreduce_loop.py"
 
 
