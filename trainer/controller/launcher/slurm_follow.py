@@ -28,7 +28,7 @@ from trainer.controller.launcher.plan import JobPlan
 from trainer.controller.launcher.slurm_allocation import SlurmError, slurm
 from trainer.controller.launcher.slurm_batch import BATCH_EXIT, BATCH_OUTPUT
 from trainer.controller.launcher.slurm_runs import slurm_launch
-from trainer.controller.launcher.slurm_steps import SlurmRecord
+from trainer.controller.launcher.slurm_steps import SlurmRecord, write_record
 
 #: The launch dir's record of the job a login node submitted for the run.
 SUBMITTED_FILE = "slurm-job.json"
@@ -60,10 +60,7 @@ class SubmittedJob:
     """The `trainer launch --slurm` following it there."""
 
     def write(self, launch_dir: str | Path) -> None:
-        path = Path(launch_dir) / SUBMITTED_FILE
-        tmp = path.with_name(f".{SUBMITTED_FILE}.{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        os.replace(tmp, path)
+        write_record(Path(launch_dir) / SUBMITTED_FILE, asdict(self))
 
     @classmethod
     def read(cls, launch_dir: str | Path) -> SubmittedJob | None:

@@ -118,6 +118,14 @@ def cancel_step(step: str) -> bool:
     return True
 
 
+def write_record(path: Path, data: dict) -> None:
+    """A Slurm run's JSON record (slurm.json, slurm-job.json) written whole: readers on the shared dir
+    (status, stop, attach, another launcher) never see half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 @dataclass
 class SlurmRecord:
     """slurm.json in the launch dir: the Slurm step of a run's latest launch. Written by guest.py when
@@ -139,10 +147,7 @@ class SlurmRecord:
     """The launcher's pid there."""
 
     def write(self, launch_dir: str | Path) -> None:
-        path = Path(launch_dir) / RECORD_FILE
-        tmp = path.with_name(f".{RECORD_FILE}.{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        os.replace(tmp, path)
+        write_record(Path(launch_dir) / RECORD_FILE, asdict(self))
 
     @classmethod
     def read(cls, launch_dir: str | Path) -> SlurmRecord | None:
