@@ -40,7 +40,7 @@ from trainer.controller.inventory import (
     load_cluster,
     refuse_problems,
 )
-from trainer.controller.launcher import launch_cli
+from trainer.controller.launcher import launch_cli, slurm_batch
 from trainer.controller.launcher.plan import JobPlan, add_job_arguments, plan_from_args
 from trainer.controller.preflight.checks import add_skip_argument
 from trainer.redaction import REDACTED, redact_override, secret_env
@@ -295,6 +295,9 @@ def preflight(preflight_args: argparse.Namespace) -> tuple[int, str]:
 
 def launch_job(args: argparse.Namespace) -> tuple[int, str]:
     args.stop = False  # `trainer launch`'s options, less --stop (`up` starts a job, never stops one)
+    # ... and less --slurm and the job's size (`up` provisions and launches over SSH): off.
+    for name, value in slurm_batch.slurm_defaults().items():
+        setattr(args, name, value)
     code = launch_cli.run(args)
     return code, "finished" if code == 0 else ""
 

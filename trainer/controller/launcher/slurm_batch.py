@@ -106,6 +106,14 @@ def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
     add_batch_options(group)
 
 
+def slurm_defaults() -> dict[str, object]:
+    """--slurm and the job's options at their defaults (off): for a command that runs `trainer launch`
+    without taking them (`trainer up`, which provisions over SSH)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_slurm_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
 def slurm_option_problem(args: argparse.Namespace, inside_allocation: str | None) -> str | None:
     """What is wrong with the command line's Slurm options, or None."""
     given = [
