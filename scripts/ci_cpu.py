@@ -110,19 +110,27 @@ def containers_seconds(names_prefix: str) -> float | None:
     return total if found else None
 
 
+def run_measured(name: str, command: list[str], tests_log: Path, **run_args) -> tuple[int, float | None]:
+    """COMMAND (subprocess.run with run_args) in a fresh group NAME, each of its tests' CPU seconds
+    into tests_log: its exit code and CPU seconds (None where no group could be made)."""
+    usage = make_group(name)
+    env = dict(run_args.pop("env", None) or os.environ)
+    if usage is not None:
+        env[CPU_GROUP_ENV] = str(usage)
+        env[CPU_LOG_ENV] = str(tests_log)
+    rc = subprocess.run(command, env=env, preexec_fn=joiner(usage), **run_args).returncode
+    if usage is None:
+        return rc, None
+    seconds = usage_seconds(usage)
+    remove_group(usage)
+    return rc, seconds
+
+
 def run(name: str, command: list[str]) -> int:
     """COMMAND in the group NAME; its CPU seconds to OUT/NAME.json. Its exit code."""
     OUT.mkdir(parents=True, exist_ok=True)
-    usage = make_group(name)
-    env = dict(os.environ)
-    if usage is not None:
-        env[CPU_GROUP_ENV] = str(usage)
-        env.setdefault(CPU_LOG_ENV, str(OUT / f"{name}.tests.jsonl"))
-    rc = subprocess.run(command, env=env, preexec_fn=joiner(usage)).returncode
-    seconds = usage_seconds(usage) if usage is not None else None
+    rc, seconds = run_measured(name, command, OUT / f"{name}.tests.jsonl")
     (OUT / f"{name}.json").write_text(json.dumps({"name": name, "cpu_seconds": seconds}))
-    if usage is not None:
-        remove_group(usage)
     return rc
 
 

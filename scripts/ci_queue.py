@@ -174,20 +174,16 @@ def work(side: str) -> int:
         cpu_before = children_cpu_s()
         # Each chunk in a cgroup of its own (ci_cpu.py): its CPU, and each of its tests', counts every
         # process it starts, daemons and reparented ones too.
-        group = ci_cpu.make_group(name)
-        env = dict(os.environ)
-        if group is not None:
-            env[ci_cpu.CPU_GROUP_ENV] = str(group)
-            env[ci_cpu.CPU_LOG_ENV] = str(QUEUE / f"{index:02d}.tests.jsonl")
         with open(log, "w") as out:
-            rc = subprocess.run(
-                command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=ci_cpu.joiner(group),
-            ).returncode  # fmt: skip
+            rc, group_cpu = ci_cpu.run_measured(
+                name,
+                command,
+                QUEUE / f"{index:02d}.tests.jsonl",
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         seconds = time.monotonic() - started
-        group_cpu = ci_cpu.usage_seconds(group) if group is not None else None
-        if group is not None:
-            ci_cpu.remove_group(group)
         record = {
             "name": name,
             "side": side,
