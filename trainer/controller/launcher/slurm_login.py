@@ -33,6 +33,7 @@ from trainer.controller.launcher.slurm_batch import (
     secret_lines,
 )
 from trainer.controller.launcher.slurm_follow import JobFollower, SubmittedJob, job_state
+from trainer.controller.launcher.wire import WatchOptions
 
 
 def run_from_login(args: argparse.Namespace, view: LiveView) -> int:
@@ -66,8 +67,9 @@ def run_from_login(args: argparse.Namespace, view: LiveView) -> int:
 
 
 def poll_interval(args: argparse.Namespace) -> float:
-    """Seconds between two squeue calls of a follower: --poll-interval, else 2."""
-    return float(args.poll_interval) if getattr(args, "poll_interval", None) is not None else 2.0
+    """Seconds between two squeue calls of a follower: --poll-interval, else a launch's own default."""
+    given = getattr(args, "poll_interval", None)
+    return float(given) if given is not None else WatchOptions.poll_interval_s
 
 
 def submit_problem(plan: JobPlan) -> str | None:
