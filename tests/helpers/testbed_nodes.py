@@ -46,6 +46,8 @@ STATUS = Path("/tmp/clustertrain-testbed.status")
 PLAYBOOK = str(Path(sys.executable).parent / "ansible-playbook")
 #: A host's line of ansible-playbook's recap.
 RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
+#: The converged check's verdict when the roles run (its debug message, one line in the json format).
+VERDICT = re.compile(r'"msg": "(Every role[^"]*)"')
 #: The marks of a test-bed test module: `pytestmark = BED_TEST` (tests/testbed/conftest.py adds `testbed`).
 BED_TEST = [
     pytest.mark.slow,
@@ -346,6 +348,11 @@ def site(*args: str, inventories: tuple[Path, ...] = ()) -> tuple[str, dict[str,
     out = run.stdout + run.stderr
     # Each run's seconds and kind, in the bed log's captured output (-rP): where the bed's time goes.
     kind = "roles skipped (converged)" if "the roles are skipped" in out else "roles run"
+    # Why the roles ran, as the converged check said it (a full run that should have been a skip
+    # costs the bed about 2 min: this line is how CI's log shows which one and why).
+    why = VERDICT.search(out)
+    if why and kind == "roles run":
+        kind += f" ({why.group(1)[:300]})"
     print(f"site.yml {' '.join(args)}: {time.monotonic() - started:.0f} s, {kind}, rc {run.returncode}")
     assert run.returncode == 0, out[-4000:]
     recap = {host: (int(ok), int(changed)) for host, ok, changed, _, _ in RECAP.findall(out)}

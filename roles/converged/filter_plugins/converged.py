@@ -37,6 +37,11 @@ RUN_VARS = {
     "play_hosts",
     "converged_full_run",
 }
+#: Molecule's own variables (molecule_file, molecule_yml, molecule_ephemeral_directory, ...), which it
+#: writes into every inventory it runs with: they say where the test harness keeps its files, not what
+#: a role writes. Kept in, a record written under Molecule never matched a plain ansible-playbook run
+#: of the same inventory (CI's first checked run after `molecule test` was a full one, ~2 min).
+HARNESS_PREFIXES = ("molecule_",)
 #: Secrets never enter the digest (it is stored on every node); none of them decides what a role
 #: writes (become and SSH passwords only open the connection).
 SECRET_NAME = re.compile(r"pass(word|wd)?$|passphrase|secret|token|credential", re.I)
@@ -82,6 +87,8 @@ def host_inputs(variables: Mapping) -> dict:
     kept = {}
     for name in sorted(variables.keys()):
         if name in RUN_VARS or name in facts or SECRET_NAME.search(name):
+            continue
+        if name.startswith(HARNESS_PREFIXES):
             continue
         if name.startswith("ansible_") and name not in CONNECTION_VARS:
             continue

@@ -78,6 +78,12 @@ def test_what_changes_on_its_own_does_not_change_the_digest(checkout, tmp_path):
         ),
         inventory(wheelhouse, ansible_become_password="another", webhook_token="other"),
         inventory(wheelhouse, inventory_dir="/srv/checkout-b/inventory", converged_full_run=True),
+        # Run under Molecule: its variables join every host's (a new ephemeral dir each run).
+        inventory(
+            wheelhouse,
+            molecule_ephemeral_directory="/root/.ansible/tmp/molecule.DW5A.default",
+            molecule_yml={"driver": {"name": "podman"}},
+        ),
     ]
     for hostvars in same:
         assert digest(hostvars) == base
