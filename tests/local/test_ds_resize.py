@@ -16,7 +16,7 @@ What must hold, and can fail:
 - a conversion killed half-way leaves `latest` and the checkpoint as they were, and the next run
   removes the leftover and converts again; a conversion that fails stops every rank with one error.
 
-Fine-tuning is checked the same way: full fine-tuning with ZeRO-3 on 1 process, LoRA with ZeRO-2 on 3.
+Fine-tuning is checked the same way: full fine-tuning with ZeRO-3 on 1 process, LoRA with ZeRO-1 on 3.
 """
 
 from __future__ import annotations
@@ -163,10 +163,12 @@ def converted_line(run, step: int, saved: int, now: int) -> float:
     return float(match.group(1))
 
 
-#: The world size each stage's 2-process checkpoint is resumed on. ZeRO 1 and 2 share DeepSpeed's
-#: loader (stage_1_and_2.py): one direction each (ZeRO-2 on 1 process is in the kill test below);
-#: ZeRO-3 has its own loader and gets the whole round: 3, 1 (the conversion reused), 3 -> 2.
-FIRST_RESUME = {1: 1, 2: 3, 3: 3}
+#: The world size each stage's 2-process checkpoint of the GPT is resumed on. ZeRO 1 and 2 share
+#: DeepSpeed's loader (stage_1_and_2.py): ZeRO-2 here (and on 1 process in the kill test below), ZeRO-1
+#: in the LoRA fine-tuning test (2 -> 3), which costs no reference run of its own (a GPT ZeRO-1 test
+#: did: ~100 CPU-s of CI). ZeRO-3 has its own loader and gets the whole round: 3, 1 (the conversion
+#: reused), 3 -> 2.
+FIRST_RESUME = {2: 3, 3: 3}
 
 
 @slow
@@ -218,8 +220,8 @@ FINETUNE = {
     # (ZeRO stage, the settings beyond the model and data, the processes that resume)
     "full-zero3": (3, [], 1),
     # An adapter on a random-init model learns slowly: a higher rate. Its dropout off, as the model's.
-    "lora-zero2": (
-        2,
+    "lora-zero1": (
+        1,
         ["lora.enabled=true", "lora.dropout=0", "train.learning_rate=0.03", "train.min_lr=0.003"],
         3,
     ),
