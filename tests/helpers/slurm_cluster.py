@@ -314,6 +314,11 @@ class SlurmCluster:
         shown = self._scontrol("show", "job", job_id, "--oneliner").stdout
         return dict(field.split("=", 1) for field in shown.split() if "=" in field)
 
+    def node(self, name: str) -> dict[str, str]:
+        """scontrol's fields of the node (State: IDLE, MIXED, DOWN+NOT_RESPONDING, ...)."""
+        shown = self._scontrol("show", "node", name, "--oneliner").stdout
+        return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
     def wait(self, job_id: str, timeout_s: float = 600) -> str:
         """The job's final state (COMPLETED, FAILED, ...) once it ends; TimeoutError after timeout_s."""
         deadline = time.monotonic() + timeout_s

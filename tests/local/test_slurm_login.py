@@ -31,9 +31,15 @@ REPO = Path(__file__).resolve().parents[2]
 SECRET_NAME, SECRET = "CT_LOGIN_TOKEN", "tok-9c2e-login-node-secret"
 
 
+#: Seconds before Slurm marks a node whose slurmd does not answer gone (its default is 300): the
+#: lost-node test, last of the module, kills sn1.
+SLURMD_TIMEOUT_S = 15
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    with slurm_for_test(tmp_path_factory.mktemp("slurm-login"), nodes=2) as cluster:
+    root = tmp_path_factory.mktemp("slurm-login")
+    with slurm_for_test(root, nodes=2, slurmd_timeout_s=SLURMD_TIMEOUT_S) as cluster:
         yield cluster
 
 
@@ -152,3 +158,48 @@ def test_status_and_stop_from_the_login_node_cancel_the_job(slurm, site):
     assert "stopped: run live was stopped on sn0, sn1 from outside this launcher" in output, output[-4000:]
     assert f"trainer launch in it exited {exitcodes.INTERRUPTED}" in output, output[-4000:]
     assert slurm.job(job).get("JobState") in ("FAILED", "CANCELLED"), slurm.job(job)
+
+
+# Last of the module: sn1 stays lost (the test Slurm has no way back for a killed node).
+@pytest.mark.slow
+def test_a_lost_node_is_left_out_inside_the_job_and_the_run_finishes_on_the_other(slurm, site):
+    """--exclude-failed from a login node: the job asks Slurm to keep its allocation when a node is lost
+    (--no-kill; by default Slurm ends the whole job, NODE_FAIL, and the launcher in it never gets to leave
+    the node out), and the launcher in the job resumes on the node that is left."""
+    env = login_env(slurm)
+    started = time.monotonic()
+    sets = ("--set", "train.max_steps=40", "--set", "train.micro_batch_size=2")
+    # Rank 0 sleeps 25 s before step 20: the job is still running when Slurm marks sn1 DOWN
+    # (SLURMD_TIMEOUT_S after the kill), which ends the whole job unless it asked for --no-kill (the
+    # launcher in it leaves sn1 out earlier, once Slurm says NOT_RESPONDING).
+    slow = ("--env", "TRAINER_TEST_STALL=0:20:25")
+    follower = subprocess.Popen(
+        launch_argv(site, "lost", *sets, *slow, "--max-restarts", "1", "--exclude-failed"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
+    run_dir = site[1] / "runs" / "lost"
+    try:
+        latest = run_dir / "checkpoints" / "latest"
+        deadline = time.monotonic() + 300
+        while not latest.exists():
+            assert follower.poll() is None, follower.stdout.read()[-4000:] if follower.stdout else ""
+            assert time.monotonic() < deadline, "no checkpoint in 300 s"
+            time.sleep(0.2)
+        assert slurm.kill_node("sn1") > 0, "sn1's slurmd and its processes"
+        output, _ = follower.communicate(timeout=300)
+    finally:
+        if follower.poll() is None:
+            os.kill(follower.pid, signal.SIGTERM)
+            follower.wait(timeout=120)
+    print(f"slurm login: a lost node left out, launch to the end {time.monotonic() - started:.1f} s")
+    assert "#SBATCH --no-kill\n" in (run_dir / "launch" / "slurm-batch.sh").read_text()
+    assert follower.returncode == exitcodes.OK, output[-6000:] + slurm.logs()
+    assert "restart 1 of 1: sn1 lost at step " in output and "resuming on 1 node from step-" in output, (
+        output[-6000:]
+    )
+    assert "sn1 lost: 2 -> 1 nodes, world size 2 -> 1" in output, output[-6000:]
+    assert "effective batch 4 kept" in output, output[-6000:]
+    assert "trainer launch in it exited 0" in output, output[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == 40 and summary["world_size"] == 1, summary
+    assert "DOWN" in slurm.node("sn1").get("State", ""), "Slurm marked sn1 down while the job ran on"

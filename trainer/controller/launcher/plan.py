@@ -732,6 +732,8 @@ def slurm_login_plan(args: argparse.Namespace) -> tuple[JobPlan, slurm_batch.Bat
         ),
         secrets=bool(secrets),
         options=options,
+        # `trainer plan --slurm` has no --exclude-failed: the plan shows the job without it.
+        keep_allocation=bool(getattr(args, "exclude_failed", False)),
     )
     return plan, job, secrets
 

@@ -206,6 +206,9 @@ class BatchJob:
     """Whether the script sources SECRET_ENV."""
     options: BatchOptions
     """--time, --partition, --cpus-per-task, --warning-seconds."""
+    keep_allocation: bool = False
+    """--no-kill: a lost node ends its part of the job, not the job (the launch's --exclude-failed: the
+    launcher in the job leaves the node out and goes on). Slurm's default ends the whole job."""
 
     def path(self, name: str) -> str:
         return str(PurePosixPath(self.launch_dir) / name)
@@ -225,6 +228,11 @@ class BatchJob:
             # A requeued job appends to its output: the login node keeps reading the same file.
             "#SBATCH --open-mode=append",
         ]
+        if self.keep_allocation:
+            lines += [
+                "# A lost node ends its part, not the job: trainer launch leaves it out.",
+                "#SBATCH --no-kill",
+            ]
         if self.bundled and self.options.warning_s:
             lines += [
                 "# Before the time limit (or `scancel --signal=USR2 JOB` before a preemption) the trainer",
