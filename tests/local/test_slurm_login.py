@@ -31,15 +31,16 @@ REPO = Path(__file__).resolve().parents[2]
 SECRET_NAME, SECRET = "CT_LOGIN_TOKEN", "tok-9c2e-login-node-secret"
 
 
-#: Seconds before Slurm marks a node whose slurmd does not answer gone (its default is 300): the
-#: lost-node test, last of the module, kills sn1.
+#: Seconds before Slurm marks a node whose slurmd does not answer gone (its default is 300): the last
+#: two tests of the module each kill a node.
 SLURMD_TIMEOUT_S = 15
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm-login")
-    with slurm_for_test(root, nodes=2, slurmd_timeout_s=SLURMD_TIMEOUT_S) as cluster:
+    # Three nodes for jobs of two: once the batch-node test has lost one, the last test has two.
+    with slurm_for_test(root, nodes=3, slurmd_timeout_s=SLURMD_TIMEOUT_S) as cluster:
         yield cluster
 
 
@@ -160,18 +161,68 @@ def test_status_and_stop_from_the_login_node_cancel_the_job(slurm, site):
     assert slurm.job(job).get("JobState") in ("FAILED", "CANCELLED"), slurm.job(job)
 
 
-# Last of the module: sn1 stays lost (the test Slurm has no way back for a killed node).
+def wait_for_checkpoint(follower: subprocess.Popen, run_dir: Path) -> None:
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not latest.exists():
+        assert follower.poll() is None, follower.stdout.read()[-4000:] if follower.stdout else ""
+        assert time.monotonic() < deadline, "no checkpoint in 300 s"
+        time.sleep(0.2)
+
+
+def the_other_node(slurm, job: str) -> str:
+    """The node of a running 2-node job that is not its batch node (where its launcher runs)."""
+    fields = slurm.job(job)
+    names = subprocess.run(
+        ["scontrol", "show", "hostnames", fields["NodeList"]], capture_output=True, text=True, env=slurm.env,
+        check=True,
+    ).stdout.split()  # fmt: skip
+    (other,) = [name for name in names if name != fields["BatchHost"]]
+    return other
+
+
+# Next to last of the module: the node it kills stays lost (the test Slurm has no way back for one).
+@pytest.mark.slow
+def test_a_lost_batch_node_ends_the_follow_with_its_name_and_the_job_cancelled(slurm, site):
+    """The job's launcher runs on its batch node: with that node lost the job cannot go on, yet with
+    --no-kill Slurm keeps it RUNNING on the others for ever. The login node must say so and end."""
+    env = login_env(slurm)
+    follower = subprocess.Popen(
+        launch_argv(site, "batchlost", "--set", "train.max_steps=100000", "--max-restarts", "1", "--exclude-failed"),  # noqa: E501
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
+    run_dir = site[1] / "runs" / "batchlost"
+    try:
+        wait_for_checkpoint(follower, run_dir)
+        job = json.loads((run_dir / "launch" / "slurm-job.json").read_text())["job"]
+        batch_host = slurm.job(job)["BatchHost"]
+        assert slurm.kill_node(batch_host) > 0, f"{batch_host}'s slurmd and its processes"
+        killed_at = time.monotonic()
+        output, _ = follower.communicate(timeout=300)
+    finally:
+        if follower.poll() is None:
+            os.kill(follower.pid, signal.SIGTERM)
+            follower.wait(timeout=120)
+    print(f"slurm login: the batch node's kill to the follower's end {time.monotonic() - killed_at:.1f} s")
+    assert follower.returncode == exitcodes.NODE_LOST, output[-6000:]
+    assert f"failed: {batch_host} was lost: Slurm took it out of job {job}" in output, output[-4000:]
+    assert f"Slurm job {job} cancelled (scancel {job})" in output, output[-4000:]
+    assert "run the same `trainer launch --slurm` again to resume" in output, output[-4000:]
+    assert slurm.wait(job, 120) in ("CANCELLED", "FAILED", "NODE_FAIL"), slurm.job(job)
+
+
+# Last of the module: the node it kills stays lost.
 @pytest.mark.slow
 def test_a_lost_node_is_left_out_inside_the_job_and_the_run_finishes_on_the_other(slurm, site):
     """--exclude-failed from a login node: the job asks Slurm to keep its allocation when a node is lost
-    (--no-kill; by default Slurm ends the whole job, NODE_FAIL, and the launcher in it never gets to leave
-    the node out), and the launcher in the job resumes on the node that is left."""
+    (--no-kill; by default Slurm ends the whole job once the node is DOWN, and requeues it), and the
+    launcher in the job resumes on the node that is left."""
     env = login_env(slurm)
     started = time.monotonic()
     sets = ("--set", "train.max_steps=40", "--set", "train.micro_batch_size=2")
-    # Rank 0 sleeps 25 s before step 20: the job is still running when Slurm marks sn1 DOWN
+    # Rank 0 sleeps 25 s before step 20: the job is still running when Slurm marks the node DOWN
     # (SLURMD_TIMEOUT_S after the kill), which ends the whole job unless it asked for --no-kill (the
-    # launcher in it leaves sn1 out earlier, once Slurm says NOT_RESPONDING).
+    # launcher in it leaves the node out earlier, once Slurm says NOT_RESPONDING).
     slow = ("--env", "TRAINER_TEST_STALL=0:20:25")
     follower = subprocess.Popen(
         launch_argv(site, "lost", *sets, *slow, "--max-restarts", "1", "--exclude-failed"),
@@ -179,13 +230,10 @@ def test_a_lost_node_is_left_out_inside_the_job_and_the_run_finishes_on_the_othe
     )  # fmt: skip
     run_dir = site[1] / "runs" / "lost"
     try:
-        latest = run_dir / "checkpoints" / "latest"
-        deadline = time.monotonic() + 300
-        while not latest.exists():
-            assert follower.poll() is None, follower.stdout.read()[-4000:] if follower.stdout else ""
-            assert time.monotonic() < deadline, "no checkpoint in 300 s"
-            time.sleep(0.2)
-        assert slurm.kill_node("sn1") > 0, "sn1's slurmd and its processes"
+        wait_for_checkpoint(follower, run_dir)
+        job = json.loads((run_dir / "launch" / "slurm-job.json").read_text())["job"]
+        victim = the_other_node(slurm, job)
+        assert slurm.kill_node(victim) > 0, f"{victim}'s slurmd and its processes"
         output, _ = follower.communicate(timeout=300)
     finally:
         if follower.poll() is None:
@@ -194,12 +242,12 @@ def test_a_lost_node_is_left_out_inside_the_job_and_the_run_finishes_on_the_othe
     print(f"slurm login: a lost node left out, launch to the end {time.monotonic() - started:.1f} s")
     assert "#SBATCH --no-kill\n" in (run_dir / "launch" / "slurm-batch.sh").read_text()
     assert follower.returncode == exitcodes.OK, output[-6000:] + slurm.logs()
-    assert "restart 1 of 1: sn1 lost at step " in output and "resuming on 1 node from step-" in output, (
-        output[-6000:]
-    )
-    assert "sn1 lost: 2 -> 1 nodes, world size 2 -> 1" in output, output[-6000:]
+    assert (
+        f"restart 1 of 1: {victim} lost at step " in output and "resuming on 1 node from step-" in output
+    ), output[-6000:]
+    assert f"{victim} lost: 2 -> 1 nodes, world size 2 -> 1" in output, output[-6000:]
     assert "effective batch 4 kept" in output, output[-6000:]
     assert "trainer launch in it exited 0" in output, output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 40 and summary["world_size"] == 1, summary
-    assert "DOWN" in slurm.node("sn1").get("State", ""), "Slurm marked sn1 down while the job ran on"
+    assert "DOWN" in slurm.node(victim).get("State", ""), f"Slurm marked {victim} down while the job ran on"

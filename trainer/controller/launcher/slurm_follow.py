@@ -91,6 +91,8 @@ class JobState:
     """Why it waits or ended (squeue's %r), "None" when there is none."""
     nodes: str = ""
     """Its nodes (%N), once it runs."""
+    batch_host: str = ""
+    """The node its batch script (the launcher in the job) runs on (%B), once it runs."""
 
     @property
     def final(self) -> bool:
@@ -115,15 +117,16 @@ class JobState:
 def job_state(job: str) -> JobState:
     """The job's state: one squeue call (finished jobs too, while slurmctld keeps them: MinJobAge)."""
     try:
-        shown = slurm("squeue", f"--jobs={job}", "--states=all", "--noheader", "--format=%T|%r|%N")
+        shown = slurm("squeue", f"--jobs={job}", "--states=all", "--noheader", "--format=%T|%r|%N|%B")
     except SlurmError as err:
         if "Invalid job id" in str(err):
             return JobState("")
         raise
     for line in shown.splitlines():
         parts = line.strip().split("|")
-        if len(parts) == 3 and parts[0]:
-            return JobState(parts[0], parts[1], parts[2])
+        if len(parts) == 4 and parts[0]:
+            batch_host = parts[3] if parts[3] not in ("", "n/a", "(null)") else ""
+            return JobState(parts[0], parts[1], parts[2], batch_host)
     return JobState("")
 
 
@@ -153,6 +156,8 @@ class JobFollower:
     """The last state line printed (each change is one line)."""
     cancelled_by_us: bool
     """Whether this follower cancelled the job (Ctrl-C): its end is then an interrupt, not a failure."""
+    nodes_seen: str
+    """The job's nodes (%N) when the batch node was last looked for among them."""
 
     def __init__(
         self, job: str, launch_dir: str | Path, view: LiveView, poll_s: float, offset: int = 0
@@ -164,6 +169,7 @@ class JobFollower:
         self.offset = offset
         self.shown = ""
         self.cancelled_by_us = False
+        self.nodes_seen = ""
 
     @property
     def output(self) -> Path:
@@ -213,7 +219,43 @@ class JobFollower:
             if state.final:
                 self._print_new(final=True)
                 return self._ended(state)
+            if (lost := self._batch_node_lost(state)) is not None:
+                return self._without_its_batch_node(lost)
             time.sleep(self.poll_s)
+
+    def _batch_node_lost(self, state: JobState) -> str | None:
+        """The job's batch node once Slurm has taken it out of the running job (marked DOWN), else None.
+
+        The launcher in the job runs on that node: with it gone the job cannot go on, yet a job that
+        asked for --no-kill (--exclude-failed) stays RUNNING on its other nodes for ever. One scontrol
+        call each time the job's nodes change, none otherwise."""
+        if (
+            state.state != "RUNNING"
+            or not state.batch_host
+            or not state.nodes
+            or state.nodes == self.nodes_seen
+        ):
+            return None
+        self.nodes_seen = state.nodes
+        try:
+            names = slurm("scontrol", "show", "hostnames", state.nodes).split()
+        except SlurmError:
+            return None  # asked again when the nodes change again
+        return state.batch_host if names and state.batch_host not in names else None
+
+    def _without_its_batch_node(self, host: str) -> int:
+        """The job lost the node its launcher ran on: said, the job cancelled, NODE_LOST."""
+        self._print_new(final=True)
+        self.view.message(
+            f"[red]failed[/red]: {node_text(host)} was lost: Slurm took it out of job {self.job}, and the "
+            "job's trainer launch ran there (its batch node); the job cannot go on without it"
+        )
+        self.cancel("the job's batch node was lost")
+        self.view.message(
+            f"{node_text(host)} was lost; run the same `trainer launch --slurm` again to resume from the "
+            "latest checkpoint (Slurm places no job on a DOWN node; give --nodes where fewer are left)"
+        )
+        return exitcodes.NODE_LOST
 
     def _say_state(self, state: JobState) -> None:
         # A line per change of state (or of the reason it waits), not one per poll.
