@@ -170,8 +170,13 @@ def wait_for_checkpoint(follower: subprocess.Popen, run_dir: Path) -> None:
         time.sleep(0.2)
 
 
+def the_batch_node(slurm, job: str) -> str:
+    """The node a running job's batch script (its launcher) runs on."""
+    return slurm.job(job)["BatchHost"]
+
+
 def the_other_node(slurm, job: str) -> str:
-    """The node of a running 2-node job that is not its batch node (where its launcher runs)."""
+    """The node of a running 2-node job that is not its batch node."""
     fields = slurm.job(job)
     names = subprocess.run(
         ["scontrol", "show", "hostnames", fields["NodeList"]], capture_output=True, text=True, env=slurm.env,
@@ -181,31 +186,40 @@ def the_other_node(slurm, job: str) -> str:
     return other
 
 
+def lose_a_node_mid_run(slurm, site, run_name: str, pick, *args: str) -> tuple[int, str, str, str]:
+    """`trainer launch --slurm --max-restarts 1 --exclude-failed` of the run, followed; at its first
+    checkpoint the node `pick(slurm, job)` is killed (its slurmd and processes), for good. (The login
+    node's exit code, its output, the job, the node killed.)"""
+    follower = subprocess.Popen(
+        launch_argv(site, run_name, *args, "--max-restarts", "1", "--exclude-failed"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=login_env(slurm), cwd=REPO,
+    )  # fmt: skip
+    run_dir = site[1] / "runs" / run_name
+    try:
+        wait_for_checkpoint(follower, run_dir)
+        job = json.loads((run_dir / "launch" / "slurm-job.json").read_text())["job"]
+        node = pick(slurm, job)
+        assert slurm.kill_node(node) > 0, f"{node}'s slurmd and its processes"
+        killed_at = time.monotonic()
+        output, _ = follower.communicate(timeout=300)
+    finally:
+        if follower.poll() is None:
+            os.kill(follower.pid, signal.SIGTERM)  # cancels the job (scancel)
+            follower.wait(timeout=120)
+    print(f"slurm login: {node} killed, the follower's end {time.monotonic() - killed_at:.1f} s later")
+    return follower.returncode, output, job, node
+
+
 # Next to last of the module: the node it kills stays lost (the test Slurm has no way back for one).
 @pytest.mark.slow
 def test_a_lost_batch_node_ends_the_follow_with_its_name_and_the_job_cancelled(slurm, site):
     """The job's launcher runs on its batch node: with that node lost the job cannot go on, yet with
     --no-kill Slurm keeps it RUNNING on the others for ever. The login node must say so and end."""
-    env = login_env(slurm)
-    follower = subprocess.Popen(
-        launch_argv(site, "batchlost", "--set", "train.max_steps=100000", "--max-restarts", "1", "--exclude-failed"),  # noqa: E501
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-    )  # fmt: skip
-    run_dir = site[1] / "runs" / "batchlost"
-    try:
-        wait_for_checkpoint(follower, run_dir)
-        job = json.loads((run_dir / "launch" / "slurm-job.json").read_text())["job"]
-        batch_host = slurm.job(job)["BatchHost"]
-        assert slurm.kill_node(batch_host) > 0, f"{batch_host}'s slurmd and its processes"
-        killed_at = time.monotonic()
-        output, _ = follower.communicate(timeout=300)
-    finally:
-        if follower.poll() is None:
-            os.kill(follower.pid, signal.SIGTERM)
-            follower.wait(timeout=120)
-    print(f"slurm login: the batch node's kill to the follower's end {time.monotonic() - killed_at:.1f} s")
-    assert follower.returncode == exitcodes.NODE_LOST, output[-6000:]
-    assert f"failed: {batch_host} was lost: Slurm took it out of job {job}" in output, output[-4000:]
+    code, output, job, node = lose_a_node_mid_run(
+        slurm, site, "batchlost", the_batch_node, "--set", "train.max_steps=100000"
+    )
+    assert code == exitcodes.NODE_LOST, output[-6000:]
+    assert f"failed: {node} was lost: Slurm took it out of job {job}" in output, output[-4000:]
     assert f"Slurm job {job} cancelled (scancel {job})" in output, output[-4000:]
     assert "run the same `trainer launch --slurm` again to resume" in output, output[-4000:]
     assert slurm.wait(job, 120) in ("CANCELLED", "FAILED", "NODE_FAIL"), slurm.job(job)
@@ -217,37 +231,20 @@ def test_a_lost_node_is_left_out_inside_the_job_and_the_run_finishes_on_the_othe
     """--exclude-failed from a login node: the job asks Slurm to keep its allocation when a node is lost
     (--no-kill; by default Slurm ends the whole job once the node is DOWN, and requeues it), and the
     launcher in the job resumes on the node that is left."""
-    env = login_env(slurm)
-    started = time.monotonic()
-    sets = ("--set", "train.max_steps=40", "--set", "train.micro_batch_size=2")
     # Rank 0 sleeps 25 s before step 20: the job is still running when Slurm marks the node DOWN
     # (SLURMD_TIMEOUT_S after the kill), which ends the whole job unless it asked for --no-kill (the
     # launcher in it leaves the node out earlier, once Slurm says NOT_RESPONDING).
+    sets = ("--set", "train.max_steps=40", "--set", "train.micro_batch_size=2")
     slow = ("--env", "TRAINER_TEST_STALL=0:20:25")
-    follower = subprocess.Popen(
-        launch_argv(site, "lost", *sets, *slow, "--max-restarts", "1", "--exclude-failed"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-    )  # fmt: skip
+    code, output, _, node = lose_a_node_mid_run(slurm, site, "lost", the_other_node, *sets, *slow)
     run_dir = site[1] / "runs" / "lost"
-    try:
-        wait_for_checkpoint(follower, run_dir)
-        job = json.loads((run_dir / "launch" / "slurm-job.json").read_text())["job"]
-        victim = the_other_node(slurm, job)
-        assert slurm.kill_node(victim) > 0, f"{victim}'s slurmd and its processes"
-        output, _ = follower.communicate(timeout=300)
-    finally:
-        if follower.poll() is None:
-            os.kill(follower.pid, signal.SIGTERM)
-            follower.wait(timeout=120)
-    print(f"slurm login: a lost node left out, launch to the end {time.monotonic() - started:.1f} s")
     assert "#SBATCH --no-kill\n" in (run_dir / "launch" / "slurm-batch.sh").read_text()
-    assert follower.returncode == exitcodes.OK, output[-6000:] + slurm.logs()
-    assert (
-        f"restart 1 of 1: {victim} lost at step " in output and "resuming on 1 node from step-" in output
-    ), output[-6000:]
-    assert f"{victim} lost: 2 -> 1 nodes, world size 2 -> 1" in output, output[-6000:]
+    assert code == exitcodes.OK, output[-6000:] + slurm.logs()
+    assert f"restart 1 of 1: {node} lost at step " in output, output[-6000:]
+    assert "resuming on 1 node from step-" in output, output[-6000:]
+    assert f"{node} lost: 2 -> 1 nodes, world size 2 -> 1" in output, output[-6000:]
     assert "effective batch 4 kept" in output, output[-6000:]
     assert "trainer launch in it exited 0" in output, output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 40 and summary["world_size"] == 1, summary
-    assert "DOWN" in slurm.node(victim).get("State", ""), f"Slurm marked {victim} down while the job ran on"
+    assert "DOWN" in slurm.node(node).get("State", ""), f"Slurm marked {node} down while the job ran on"
