@@ -212,17 +212,33 @@ def lose_a_node_mid_run(slurm, site, run_name: str, pick, *args: str) -> tuple[i
 
 # Next to last of the module: the node it kills stays lost (the test Slurm has no way back for one).
 @pytest.mark.slow
-def test_a_lost_batch_node_ends_the_follow_with_its_name_and_the_job_cancelled(slurm, site):
-    """The job's launcher runs on its batch node: with that node lost the job cannot go on, yet with
-    --no-kill Slurm keeps it RUNNING on the others for ever. The login node must say so and end."""
-    code, output, job, node = lose_a_node_mid_run(
-        slurm, site, "batchlost", the_batch_node, "--set", "train.max_steps=100000"
-    )
-    assert code == exitcodes.NODE_LOST, output[-6000:]
+def test_a_lost_batch_node_is_left_out_of_a_resubmitted_job_that_resumes_the_run(slurm, site):
+    """The job's launcher runs on its batch node: with that node lost the job cannot go on (and with
+    --no-kill Slurm keeps it RUNNING on the others for ever). The login node cancels it and submits the
+    run again on one node fewer, never on the lost one, the effective batch kept; it resumes from its
+    latest checkpoint and finishes."""
+    sets = ("--set", "train.max_steps=40", "--set", "train.micro_batch_size=2")
+    code, output, job, node = lose_a_node_mid_run(slurm, site, "batchlost", the_batch_node, *sets)
+    assert code == exitcodes.OK, output[-6000:] + slurm.logs()
     assert f"failed: {node} was lost: Slurm took it out of job {job}" in output, output[-4000:]
     assert f"Slurm job {job} cancelled (scancel {job})" in output, output[-4000:]
-    assert "run the same `trainer launch --slurm` again to resume" in output, output[-4000:]
-    assert slurm.wait(job, 120) in ("CANCELLED", "FAILED", "NODE_FAIL"), slurm.job(job)
+    resubmitted = (
+        f"restart 1 of 1: {node} (the job's batch node) lost; resubmitted on 1 node(s) without it "
+        f"(--exclude={node}; accumulation 1 -> 2, effective batch 4 kept); the run resumes from its latest "
+        "checkpoint"
+    )
+    assert resubmitted in output, output[-6000:]
+    run_dir = site[1] / "runs" / "batchlost"
+    second = json.loads((run_dir / "launch" / "slurm-job.json").read_text())["job"]
+    assert second != job and f"submitted run batchlost as Slurm job {second}: 1 node(s)" in output, output[
+        -4000:
+    ]
+    script = (run_dir / "launch" / "slurm-batch.sh").read_text()
+    assert "#SBATCH --nodes=1\n" in script and f"#SBATCH --exclude={node}\n" in script, script
+    assert f"Slurm job {second} ended (completed); trainer launch in it exited 0" in output, output[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == 40 and summary["world_size"] == 1 and summary["resumed_from"], summary
+    assert slurm.job(job).get("JobState") in ("CANCELLED", "FAILED", "NODE_FAIL"), slurm.job(job)
 
 
 # Last of the module: the node it kills stays lost.

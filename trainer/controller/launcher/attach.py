@@ -48,7 +48,13 @@ from trainer.controller.launcher.live import LiveView, node_text, printable
 from trainer.controller.launcher.plan import DEFAULT_RUN_NAME, JobPlan, make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
 from trainer.controller.launcher.runlock import LockError, describe_holder, holder_state
-from trainer.controller.launcher.slurm_follow import CurrentJob, JobFollower, current_job, tail_offset
+from trainer.controller.launcher.slurm_follow import (
+    CurrentJob,
+    JobFollower,
+    current_job,
+    relaunch_advice,
+    tail_offset,
+)
 from trainer.controller.launcher.slurm_login import poll_interval
 from trainer.controller.launcher.slurm_runs import slurm_launch
 from trainer.controller.launcher.status import MALFORMED, launcher_alive, read_launch_record
@@ -126,7 +132,12 @@ def follow_submitted(plan: JobPlan, job: CurrentJob, args: argparse.Namespace) -
         f"following run {node_text(plan.run_name)}'s Slurm job {record.job}, submitted from "
         f"{node_text(record.host)} (trainer launch --slurm, pid {record.follower_pid}); Ctrl-C cancels it"
     )
-    return follower.follow()
+    code = follower.follow()
+    if follower.lost_batch_node:  # the launching command resubmits; attach only follows
+        view.message(
+            f"{node_text(follower.lost_batch_node)} was lost; {relaunch_advice(follower.lost_batch_node)}"
+        )
+    return code
 
 
 def run(args: argparse.Namespace) -> int:

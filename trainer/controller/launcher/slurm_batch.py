@@ -209,6 +209,8 @@ class BatchJob:
     keep_allocation: bool = False
     """--no-kill: a lost node ends its part of the job, not the job (the launch's --exclude-failed: the
     launcher in the job leaves the node out and goes on). Slurm's default ends the whole job."""
+    exclude: tuple[str, ...] = ()
+    """--exclude: nodes the job must not run on (a job resubmitted without the batch node it lost)."""
 
     def path(self, name: str) -> str:
         return str(PurePosixPath(self.launch_dir) / name)
@@ -267,6 +269,7 @@ class BatchJob:
             ("cpus-per-task", str(options.cpus_per_task) if options.cpus_per_task else ""),
             ("time", options.time_limit),
             ("partition", options.partition),
+            ("exclude", ",".join(self.exclude)),
         ]
         return [f"#SBATCH --{name}={shlex.quote(value)}" for name, value in asked if value]
 

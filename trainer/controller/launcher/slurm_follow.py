@@ -158,6 +158,8 @@ class JobFollower:
     """Whether this follower cancelled the job (Ctrl-C): its end is then an interrupt, not a failure."""
     nodes_seen: str
     """The job's nodes (%N) when the batch node was last looked for among them."""
+    lost_batch_node: str
+    """The job's batch node once Slurm took it out of the job ("" while it has not)."""
 
     def __init__(
         self, job: str, launch_dir: str | Path, view: LiveView, poll_s: float, offset: int = 0
@@ -170,6 +172,7 @@ class JobFollower:
         self.shown = ""
         self.cancelled_by_us = False
         self.nodes_seen = ""
+        self.lost_batch_node = ""
 
     @property
     def output(self) -> Path:
@@ -244,17 +247,15 @@ class JobFollower:
         return state.batch_host if names and state.batch_host not in names else None
 
     def _without_its_batch_node(self, host: str) -> int:
-        """The job lost the node its launcher ran on: said, the job cancelled, NODE_LOST."""
+        """The job lost the node its launcher ran on: said, the job cancelled, NODE_LOST (the caller
+        resubmits the run without it, or says how to go on)."""
+        self.lost_batch_node = host
         self._print_new(final=True)
         self.view.message(
             f"[red]failed[/red]: {node_text(host)} was lost: Slurm took it out of job {self.job}, and the "
             "job's trainer launch ran there (its batch node); the job cannot go on without it"
         )
         self.cancel("the job's batch node was lost")
-        self.view.message(
-            f"{node_text(host)} was lost; run the same `trainer launch --slurm` again to resume from the "
-            "latest checkpoint (Slurm places no job on a DOWN node; give --nodes where fewer are left)"
-        )
         return exitcodes.NODE_LOST
 
     def _say_state(self, state: JobState) -> None:
@@ -303,6 +304,14 @@ class JobFollower:
             f"exit code; the job's output: {self.output}"
         )
         return exitcodes.FAILURE
+
+
+def relaunch_advice(host: str) -> str:
+    """How to go on after the job lost its batch node `host` and was not resubmitted."""
+    return (
+        f"run the same `trainer launch --slurm` again to resume from the latest checkpoint without "
+        f"{node_text(host)} (Slurm places no job on a DOWN node; give --nodes where fewer are left)"
+    )
 
 
 def cancel_job(job: str) -> bool:

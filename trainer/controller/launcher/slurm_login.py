@@ -17,12 +17,14 @@ import argparse
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from trainer import exitcodes
 from trainer.controller.inventory import PlanningError
 from trainer.controller.launcher.live import LiveView, node_text
 from trainer.controller.launcher.plan import JobPlan, slurm_login_plan
+from trainer.controller.launcher.restarts import keep_batch, nearest_batch
 from trainer.controller.launcher.sbatch import write_private
 from trainer.controller.launcher.slurm_allocation import SlurmError, slurm
 from trainer.controller.launcher.slurm_batch import (
@@ -32,7 +34,7 @@ from trainer.controller.launcher.slurm_batch import (
     BatchJob,
     secret_lines,
 )
-from trainer.controller.launcher.slurm_follow import JobFollower, SubmittedJob, job_state
+from trainer.controller.launcher.slurm_follow import JobFollower, SubmittedJob, job_state, relaunch_advice
 from trainer.controller.launcher.wire import WatchOptions
 
 
@@ -56,14 +58,85 @@ def run_from_login(args: argparse.Namespace, view: LiveView) -> int:
         return exitcodes.FAILURE
     except KeyboardInterrupt:
         return exitcodes.INTERRUPTED  # sbatch did not answer: no job id to cancel
-    SubmittedJob.now(submitted).write(plan.launch_dir)
-    follower = JobFollower(submitted, plan.launch_dir, view, poll_interval(args))
-    view.message(
-        f"submitted run {plan.run_name} as Slurm job {submitted}: {job.nodes} node(s), one task each, "
-        f"{plan.topology.gpus_per_node} process(es) per node; following it here (one squeue a poll; the "
-        f"job's output: {node_text(follower.output)}); Ctrl-C cancels it"
-    )
-    return follower.follow()
+    resubmits = 0
+    while True:
+        SubmittedJob.now(submitted).write(plan.launch_dir)
+        follower = JobFollower(submitted, plan.launch_dir, view, poll_interval(args))
+        view.message(
+            f"submitted run {plan.run_name} as Slurm job {submitted}: {job.nodes} node(s), one task each, "
+            f"{plan.topology.gpus_per_node} process(es) per node; following it here (one squeue a poll; "
+            f"the job's output: {node_text(follower.output)}); Ctrl-C cancels it"
+        )
+        code = follower.follow()
+        lost = follower.lost_batch_node
+        if not lost:
+            return code
+        resubmission = without_lost_node(plan, job, args, lost, resubmits)
+        if isinstance(resubmission, str):
+            view.message(
+                f"{node_text(lost)} was lost; not resubmitted: {resubmission}; {relaunch_advice(lost)}"
+            )
+            return code
+        job, batch_text = resubmission
+        resubmits += 1
+        try:
+            write_job_files(plan, job, args.config, secrets)
+            submitted = submit(job, secrets)
+        except (OSError, SlurmError) as err:
+            view.message(f"[red]cannot resubmit run {plan.run_name}[/red]: {node_text(str(err))}")
+            return code
+        except KeyboardInterrupt:
+            return exitcodes.INTERRUPTED
+        view.message(
+            f"[yellow]restart {resubmits} of {args.max_restarts}[/yellow]: {node_text(lost)} (the job's "
+            f"batch node) lost; resubmitted on {job.nodes} node(s) without it "
+            f"(--exclude={','.join(job.exclude)}; {batch_text}); the run resumes from its latest checkpoint"
+        )
+
+
+def without_lost_node(
+    plan: JobPlan, job: BatchJob, args: argparse.Namespace, lost: str, resubmits: int
+) -> tuple[BatchJob, str] | str:
+    """The job again, on one node fewer and never on `lost`, the effective batch kept (or changed where
+    --allow-batch-change allows); with what changed in the batch. Or why it is not resubmitted."""
+    if not getattr(args, "exclude_failed", False):
+        return "without --exclude-failed a lost node ends the run"
+    if resubmits >= getattr(args, "max_restarts", 0):
+        return f"every restart is used (--max-restarts {getattr(args, 'max_restarts', 0)})"
+    nodes = job.nodes - 1
+    if nodes < 1:
+        return "no node of the job is left"
+    options: list[str] = []
+    batch_text = "the batch as before: your own command"
+    if plan.runs_bundled_trainer:
+        world = nodes * plan.topology.gpus_per_node
+        effective, micro = plan.effective_batch_size, plan.micro_batch_size
+        split = keep_batch(effective, micro, world)
+        if split is None and not args.allow_batch_change:
+            return (
+                f"the effective batch {effective} cannot be kept on {world} process(es) "
+                "(--allow-batch-change goes on with the nearest)"
+            )
+        split = split or nearest_batch(effective, micro, world)
+        options += ["--set", f"train.micro_batch_size={split.micro_batch_size}"]
+        options += ["--set", f"train.gradient_accumulation_steps={split.accumulation}"]
+        parts = [f"accumulation {plan.gradient_accumulation_steps} -> {split.accumulation}"]
+        if split.micro_batch_size != micro:
+            parts.insert(0, f"micro batch {micro} -> {split.micro_batch_size}")
+        kept = split.effective == effective
+        parts.append(f"effective batch {effective} kept" if kept else f"effective batch {effective} -> "
+                     f"{split.effective} (--allow-batch-change)")  # fmt: skip
+        batch_text = ", ".join(parts)
+    # The lost job's launcher held the run's lock and died with its node (the job is cancelled and
+    # ended): the next one takes the lock over (--force).
+    if "--force" not in job.guest_argv:
+        options.append("--force")
+    # After the job's own options (the later --set wins) and before your command's `--`, if any.
+    guest = list(job.guest_argv)
+    cut = guest.index("--") if "--" in guest else len(guest)
+    guest[cut:cut] = options
+    exclude = tuple(sorted({*job.exclude, lost}))
+    return replace(job, nodes=nodes, exclude=exclude, guest_argv=tuple(guest)), batch_text
 
 
 def poll_interval(args: argparse.Namespace) -> float:
