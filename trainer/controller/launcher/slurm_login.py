@@ -9,6 +9,10 @@ script, its output and the secrets go there: this machine must see it at the nod
 job of the run is pending or running already. The secrets of `--env NAME` go to a file of the launch
 dir, mode 0600, and are removed from the environment sbatch hands the job (Slurm keeps a job's
 environment in its state); the script sources the file.
+
+The one thing the job cannot survive is the loss of its batch node, where its launcher runs: the
+follower sees it, cancels the job, and (--exclude-failed, a restart left) this module submits the run
+again on one node fewer without it, the effective batch kept; the new job resumes from the checkpoint.
 """
 
 from __future__ import annotations
