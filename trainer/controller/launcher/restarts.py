@@ -67,6 +67,26 @@ class BatchSplit:
     def effective(self) -> int:
         return self.micro_batch_size * self.accumulation * self.world
 
+    def overrides(self) -> list[str]:
+        """The trainer settings (--set) that train this split."""
+        return [
+            f"train.micro_batch_size={self.micro_batch_size}",
+            f"train.gradient_accumulation_steps={self.accumulation}",
+        ]
+
+    def change_from(self, plan: JobPlan) -> str:
+        """What this split changes in `plan`'s batch, as a restart's line says it: `micro batch 2 -> 1,
+        accumulation 1 -> 3, effective batch 6 kept` (the micro batch only where it changes)."""
+        effective, micro = plan.effective_batch_size, plan.micro_batch_size
+        parts = [f"accumulation {plan.gradient_accumulation_steps} -> {self.accumulation}"]
+        if self.micro_batch_size != micro:
+            parts.insert(0, f"micro batch {micro} -> {self.micro_batch_size}")
+        if self.effective == effective:
+            parts.append(f"effective batch {effective} kept")
+        else:
+            parts.append(f"effective batch {effective} -> {self.effective} (--allow-batch-change)")
+        return ", ".join(parts)
+
 
 def checkpoint_name(path: str) -> str:
     """`step-37` of `/shared/runs/r/checkpoints/step-37` ("" for "")."""
@@ -338,14 +358,7 @@ class RestartPolicy:
         full = self.full_plan
         world = full.topology.world_size - len(still_out) * full.topology.gpus_per_node
         split = keep_batch(self.plan.effective_batch_size, full.micro_batch_size, world)
-        overrides = (
-            [
-                f"train.micro_batch_size={split.micro_batch_size}",
-                f"train.gradient_accumulation_steps={split.accumulation}",
-            ]
-            if still_out and split is not None
-            else []
-        )
+        overrides = split.overrides() if still_out and split is not None else []
         old = self.plan
         self.launcher.use_plan(self.replan(still_out, overrides))
         self.excluded, self.rejoining = still_out, back
@@ -449,18 +462,8 @@ class RestartPolicy:
                 return None
             if split is None:
                 split = nearest_batch(effective, micro, new_world)
-            overrides = [
-                f"train.micro_batch_size={split.micro_batch_size}",
-                f"train.gradient_accumulation_steps={split.accumulation}",
-            ]
-            parts = [f"accumulation {plan.gradient_accumulation_steps} -> {split.accumulation}"]
-            if split.micro_batch_size != micro:
-                parts.insert(0, f"micro batch {micro} -> {split.micro_batch_size}")
-            if split.effective == effective:
-                parts.append(f"effective batch {effective} kept")
-            else:
-                parts.append(f"effective batch {effective} -> {split.effective} (--allow-batch-change)")
-            batch_text = ", ".join(parts)
+            overrides = split.overrides()
+            batch_text = split.change_from(plan)
         try:
             new_plan = self.replan(self.excluded | set(hosts), overrides)
         except PlanningError as err:

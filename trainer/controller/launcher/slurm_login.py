@@ -122,15 +122,8 @@ def without_lost_node(
                 "(--allow-batch-change goes on with the nearest)"
             )
         split = split or nearest_batch(effective, micro, world)
-        options += ["--set", f"train.micro_batch_size={split.micro_batch_size}"]
-        options += ["--set", f"train.gradient_accumulation_steps={split.accumulation}"]
-        parts = [f"accumulation {plan.gradient_accumulation_steps} -> {split.accumulation}"]
-        if split.micro_batch_size != micro:
-            parts.insert(0, f"micro batch {micro} -> {split.micro_batch_size}")
-        kept = split.effective == effective
-        parts.append(f"effective batch {effective} kept" if kept else f"effective batch {effective} -> "
-                     f"{split.effective} (--allow-batch-change)")  # fmt: skip
-        batch_text = ", ".join(parts)
+        options += [arg for setting in split.overrides() for arg in ("--set", setting)]
+        batch_text = split.change_from(plan)
     # The lost job's launcher held the run's lock and died with its node (the job is cancelled and
     # ended): the next one takes the lock over (--force).
     if "--force" not in job.guest_argv:
