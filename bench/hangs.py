@@ -18,12 +18,15 @@ Kinds:
   all-reduce and a line a step, no progress files), node1's rank stopping itself with SIGSTOP at step 20;
 - `torchrun-sleep`: the same, node1's rank sleeping outside the collective from step 20 (named by the
   ranks' py-spy stacks);
+- `torchrun-diverged`: your own command, tests/data/hang_user/diverged_loop.py on two ranks per node,
+  rank 1 calling all_gather at step 20 where the other three all_reduce (named by the stacks);
 - `dstate`: your own command, node1's process reading a file of a FUSE mount that never answers
   (state D, as on a hard NFS mount whose server stopped; root only, tests/helpers/hung_mount.py),
   injected when the process entered state D.
 
 Run (no bed needed; about a minute or two per kind on 2 loaded cores):
-    .venv/bin/python bench/hangs.py [--kinds sigstop,sleep,torchrun-sigstop,torchrun-sleep,dstate]
+    .venv/bin/python bench/hangs.py [--kinds sigstop,sleep,torchrun-sigstop,torchrun-sleep,
+                                             torchrun-diverged,dstate]
                                     [--stall-timeout 20]
                                     [--log FILE]
 """
@@ -49,9 +52,11 @@ from helpers.hung_mount import hung_mount  # noqa: E402 - the tests' helpers: on
 from helpers.loopback import write_inventory  # noqa: E402
 from helpers.loopback_launch import TINY, environ, launch_command, trainer_pids  # noqa: E402
 
-KINDS = ("sigstop", "sleep", "torchrun-sigstop", "torchrun-sleep", "dstate")
+KINDS = ("sigstop", "sleep", "torchrun-sigstop", "torchrun-sleep", "torchrun-diverged", "dstate")
 #: A user's all-reduce loop whose rank HANG_RANK hangs at step HANG_STEP (HANG=sleep or stop).
 HANG_LOOP = REPO / "tests" / "data" / "hang_user" / "allreduce_loop.py"
+#: A user's loop whose rank HANG_RANK calls all_gather at step HANG_STEP where the others all_reduce.
+DIVERGED_LOOP = HANG_LOOP.with_name("diverged_loop.py")
 
 
 class Launch:
@@ -124,7 +129,8 @@ def node_pids(node_dir: Path, program: str) -> list[int]:
 
 
 def run_kind(kind: str, root: Path, stall_s: float) -> dict:
-    inventory, shared = write_inventory(root)
+    # Two ranks per node where a majority must wait in the collective the diverged rank is not in.
+    inventory, shared = write_inventory(root, training_procs_per_node=2 if kind == "torchrun-diverged" else 1)
     shared.mkdir(exist_ok=True)
     node1 = shared / "runs" / kind / "launch" / "node-1"
     base = [*launch_command(inventory, "--run-name", kind, "--stall-timeout", f"{stall_s:g}")]
@@ -141,11 +147,15 @@ def run_kind(kind: str, root: Path, stall_s: float) -> dict:
         wait_for(lambda: int(progress(node1, 1).get("done") or 0) >= 5, "rank 1's step 5 done", launch)
         # The rank sleeps right after writing that record: its age is how long ago the sleep began.
         injected = time.monotonic() - (time.time() - record.stat().st_mtime)
-    elif kind in ("torchrun-sigstop", "torchrun-sleep"):
-        # The rank hangs itself (HANG=stop: SIGSTOP; sleep: outside the collective) at step 20.
+    elif kind in ("torchrun-sigstop", "torchrun-sleep", "torchrun-diverged"):
+        # The rank hangs itself (HANG=stop: SIGSTOP; sleep: outside the collective; diverged: in
+        # all_gather) at step 20.
         mark = root / "hang-mark"
-        hang = "stop" if kind == "torchrun-sigstop" else "sleep"
-        command = ["--", "torchrun", "--nproc-per-node", "1", str(HANG_LOOP)]
+        hang = {"torchrun-sigstop": "stop", "torchrun-sleep": "sleep"}.get(kind, "all_gather")
+        if kind == "torchrun-diverged":
+            command = ["--", "torchrun", "--nproc-per-node", "2", str(DIVERGED_LOOP)]
+        else:
+            command = ["--", "torchrun", "--nproc-per-node", "1", str(HANG_LOOP)]
         settings = ["--env", f"HANG_MARK={mark}", "--env", "HANG_STEP=20", "--env", f"HANG={hang}"]
         launch = Launch([*base, *settings, *command])
         wait_for(mark.exists, f"rank 1's {hang}", launch)

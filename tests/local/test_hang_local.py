@@ -2,8 +2,9 @@
 the bundled trainer stopped with SIGSTOP mid-run, and a user's command blocked in the kernel on a FUSE
 mount that never answers (state D; needs root). The launcher names the host and the rank with its
 state within about the stall bound, stops every process, and exits with HUNG (71). A user's own
-torchrun all-reduce loop whose rank 1 sleeps outside the collective is named by the ranks' Python
-stacks (py-spy, the train extra), within a minute of the hang's start."""
+torchrun all-reduce loop whose rank 1 sleeps outside the collective, and one whose rank 1 calls
+all_gather where its peers all_reduce, are named by the ranks' Python stacks (py-spy, the train
+extra), within a minute of the hang's start."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from trainer import exitcodes
 
 STALL_S = 20
 HANG_SCRIPT = Path(__file__).resolve().parents[1] / "data" / "hang_user" / "allreduce_loop.py"
+DIVERGED_SCRIPT = HANG_SCRIPT.with_name("diverged_loop.py")
 
 
 @pytest.fixture
@@ -149,21 +151,21 @@ def test_a_command_blocked_on_a_hung_mount_names_the_node_and_the_file(loopback,
         assert launch_processes(shared / "runs" / "dstate" / "launch" / f"node-{node}") == []
 
 
-def test_a_user_command_rank_sleeping_outside_its_collective_is_named_by_its_stack(tmp_path):
-    """`trainer launch -- torchrun allreduce_loop.py` on two loopback nodes, one rank each: rank 1
-    sleeps at step 5 while rank 0 waits in all_reduce. With --stall-timeout 20 the launcher finds the
-    silence, reads each rank's state and Python stack (py-spy) and names rank 1 on node1 with its top
-    frame, the sleep, within 60 s of the hang's start; it stops every process and exits HUNG (71)."""
+def user_hang(tmp_path: Path, script: Path, run_name: str, **settings) -> tuple[list[str], float, Path]:
+    """`trainer launch --stall-timeout 20 -- torchrun SCRIPT` on two loopback nodes (`settings` over
+    the inventory's), to its end: the launcher's lines, the seconds from the hang's start (the time
+    the script wrote into HANG_MARK) to the culprit's line, and the run's dir. It must have exited
+    HUNG (71) and named a culprit."""
     if shutil.which("py-spy", path=str(VENV / "bin")) is None:
         pytest.fail("py-spy is not in the test venv: make install-train installs the train extra with it")
     workdir = tmp_path / "code"
     workdir.mkdir()
-    shutil.copy(HANG_SCRIPT, workdir)
+    shutil.copy(script, workdir)
     mark = workdir / "hang-mark"
-    inventory, shared = write_inventory(tmp_path, training_workdir=str(workdir))
+    inventory, shared = write_inventory(tmp_path, training_workdir=str(workdir), **settings)
     command = [
-        *launch_command(inventory, "--run-name", "usersleep", "--stall-timeout", str(STALL_S)),
-        *("--env", f"HANG_MARK={mark}", "--", "torchrun", "allreduce_loop.py"),
+        *launch_command(inventory, "--run-name", run_name, "--stall-timeout", str(STALL_S)),
+        *("--env", f"HANG_MARK={mark}", "--", "torchrun", script.name),
     ]
     started = time.monotonic()
     launcher = subprocess.Popen(
@@ -183,10 +185,20 @@ def test_a_user_command_rank_sleeping_outside_its_collective_is_named_by_its_sta
     out = "".join(lines)
     print(out, f"launch to end {time.monotonic() - started:.0f} s", sep="\n")
     assert launcher.returncode == exitcodes.HUNG, out
-    hung_at = float(mark.read_text())
     assert named_at is not None, out
-    print(f"hang's start to the culprit named: {named_at - hung_at:.1f} s (--stall-timeout {STALL_S})")
-    assert named_at - hung_at < 60, f"named {named_at - hung_at:.0f} s after the hang began: {out}"
+    named_after = named_at - float(mark.read_text())
+    print(f"hang's start to the culprit named: {named_after:.1f} s (--stall-timeout {STALL_S})")
+    assert named_after < 60, f"named {named_after:.0f} s after the hang began: {out}"
+    return lines, named_after, shared / "runs" / run_name
+
+
+def test_a_user_command_rank_sleeping_outside_its_collective_is_named_by_its_stack(tmp_path):
+    """`trainer launch -- torchrun allreduce_loop.py` on two loopback nodes, one rank each: rank 1
+    sleeps at step 5 while rank 0 waits in all_reduce. With --stall-timeout 20 the launcher finds the
+    silence, reads each rank's state and Python stack (py-spy) and names rank 1 on node1 with its top
+    frame, the sleep, within 60 s of the hang's start; it stops every process and exits HUNG (71)."""
+    lines, _, run = user_hang(tmp_path, HANG_SCRIPT, "usersleep")
+    out = "".join(lines)
     sleep_frame = "hang (allreduce_loop.py:20: time.sleep(3600))"
     culprit = next(line for line in lines if line.startswith("culprit: "))
     assert culprit.startswith(
@@ -195,10 +207,33 @@ def test_a_user_command_rank_sleeping_outside_its_collective_is_named_by_its_sta
     assert "(rank 1 on node1 (node 1), exit code 71)" in culprit, culprit
     assert "then: rank 0 on node0 (node 0): waiting in all_reduce, called at main (allreduce_loop.py:" in out
     assert f"stack of rank 1 on node1 (node 1) (py-spy, innermost first):\n  {sleep_frame}" in out, out
-    history = (shared / "runs" / "usersleep" / "launch" / "history.jsonl").read_text().splitlines()
+    history = (run / "launch" / "history.jsonl").read_text().splitlines()
     stop = [r for r in map(json.loads, history) if r.get("event") == "stopped"][-1]
     assert (stop["why"], stop["hosts"], stop["exit_code"]) == ("hung", ["node1"], exitcodes.HUNG), stop
     assert (stop["cause"]["host"], stop["cause"]["rank"]) == ("node1", 1), stop
     assert sleep_frame in stop["cause"]["message"], stop
     for node in (0, 1):
-        assert launch_processes(shared / "runs" / "usersleep" / "launch" / f"node-{node}") == []
+        assert launch_processes(run / "launch" / f"node-{node}") == []
+
+
+def test_a_user_command_rank_in_another_collective_is_named_by_its_stack(tmp_path):
+    """`trainer launch -- torchrun diverged_loop.py` on two loopback nodes, two ranks each: at step 5
+    rank 1 calls all_gather while ranks 0, 2 and 3 call all_reduce, and every rank waits for ever
+    (gloo). Every stack is in a collective, so no rank is outside one: the launcher names rank 1 as
+    the one in another collective than its peers (all_gather against all_reduce, each with its line),
+    within 60 s of the hang's start, stops every process and exits HUNG (71)."""
+    lines, _, run = user_hang(tmp_path, DIVERGED_SCRIPT, "diverged", training_procs_per_node=2)
+    out = "".join(lines)
+    culprit = next(line for line in lines if line.startswith("culprit: "))
+    gather = "all_gather, called at main (diverged_loop.py:22: dist.all_gather("
+    reduce = "all_reduce, called at main (diverged_loop.py:24: dist.all_reduce(total))"
+    assert culprit.startswith(f"culprit: in another collective than its peers: {gather}"), culprit
+    assert f"while they wait in {reduce} — sleeping" in culprit, culprit
+    assert "(rank 1 on node0 (node 0), exit code 71)" in culprit, culprit
+    for rank, node in ((0, 0), (2, 1), (3, 1)):
+        assert f"then: rank {rank} on node{node} (node {node}): waiting in {reduce}" in out, out
+    stop = [r for r in map(json.loads, (run / "launch" / "history.jsonl").read_text().splitlines())
+            if r.get("event") == "stopped"][-1]  # fmt: skip
+    assert (stop["why"], stop["cause"]["host"], stop["cause"]["rank"]) == ("hung", "node0", 1), stop
+    for node in (0, 1):
+        assert launch_processes(run / "launch" / f"node-{node}") == []

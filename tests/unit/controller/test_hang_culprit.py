@@ -456,6 +456,24 @@ def test_the_stacks_name_nobody_where_every_rank_or_none_is_in_a_collective():
     ), shown
 
 
+def test_a_rank_in_another_collective_than_most_of_its_peers_is_named_by_its_stack():
+    """Every rank in a collective, one in all_gather where the others all_reduce (py-spy dumps of a
+    real diverged_loop.py): that one is the culprit, with both collectives and their lines; with one
+    rank in each (no majority) either may be the one astray, and the stall stays a stall."""
+    reduce = "all_reduce, called at main (diverged_loop.py:24: dist.all_reduce(total))"
+    gather = "all_gather, called at main (diverged_loop.py:22: dist.all_gather("
+    head = [rank_record(0, "diverged-reducing"), rank_record(1, "gathering")]
+    diagnosis, shown = stacked_stall(head, [rank_record(2, "diverged-reducing")])
+    cause = diagnosis.cause
+    assert (cause.kind, cause.host, cause.rank, cause.code) == ("hung", "head", 1, exitcodes.HUNG), shown
+    assert cause.message.startswith(f"in another collective than its peers: {gather}"), cause.message
+    assert f"while they wait in {reduce} — sleeping — state S" in cause.message, cause.message
+    assert f"then: rank 2 on w1 (node 1): waiting in {reduce} (sleeping" in shown, shown
+    assert diagnosis.restartable and diagnosis.at_fault == [], "the job's fault, not the node's"
+    diagnosis, shown = stacked_stall([rank_record(0, "diverged-reducing")], [rank_record(1, "gathering")])
+    assert diagnosis.cause.kind == "stall", shown
+
+
 def test_a_stopped_rank_comes_before_a_rank_outside_the_collective():
     """The kernel's states first: a stopped rank is the cause even where another rank's stack is
     outside the collective; that one is named among the consequences with where it was."""

@@ -12,7 +12,9 @@ in this order:
 - a rank gone (or a zombie) while its peers wait in their collective;
 - a rank outside the collective its peers wait in, by each rank's Python stack (a user's command:
   node_ctl.add_stacks reads them with py-spy): some ranks' stacks are in a torch.distributed
-  collective (all_reduce, barrier, ...) and this one's is not (it sleeps, loads, computes elsewhere).
+  collective (all_reduce, barrier, ...) and this one's is not (it sleeps, loads, computes elsewhere);
+- a rank in another collective than most of its peers (all_gather where they all_reduce, or the same
+  call from another line): every rank waits, each for a partner that never comes.
 The first (by that order, then node and rank) is the cause; every other rank is its consequence,
 waiting in its collective (or also stopped, blocked, gone or outside). Where no rank is in such a
 state and no stack tells (a rank sleeping outside a collective sleeps as its waiting peers do), there
@@ -208,7 +210,10 @@ class Hang:
     others: list[RankState]
     """Every other rank reported, in node and rank order: each a consequence of the culprit."""
     waited_in: str = ""
-    """Named by the stacks: the collective the other ranks wait in (the culprit's is not one)."""
+    """Named by the stacks: the collective the other ranks wait in (the culprit's is not one, or with
+    `diverged`, is another)."""
+    diverged: bool = False
+    """The culprit waits in a collective too, but another one than most of its peers."""
 
     @property
     def node_at_fault(self) -> bool:
@@ -219,6 +224,11 @@ class Hang:
     def culprit_text(self) -> str:
         """What the culprit was doing: its state, or (named by the stacks) where its Python was."""
         culprit = self.culprit
+        if self.diverged:
+            return (
+                f"in another collective than its peers: {culprit.collective}, while they wait in "
+                f"{self.waited_in} — {culprit.what}"
+            )
         if self.waited_in and not culprit.telling:
             return (
                 f"not in the collective its peers wait in ({self.waited_in.split(',')[0]}): at "
@@ -288,15 +298,36 @@ def find_hang(
 def stack_hang(states: list[RankState]) -> Hang | None:
     """The rank outside the collective its peers wait in, by their stacks (states in node and rank
     order): where some ranks' stacks are in a collective and others' are not, the first of those is
-    the culprit. None where every stack read is in a collective (a collective that never completes:
-    a lost peer, a partition) or none is (no collective to be outside of)."""
+    the culprit. Where every stack read is in one, the rank in another than most (diverged_hang).
+    None where none is (no collective to be outside of)."""
     stacked = [s for s in states if s.rank is not None and s.frames]
     waiting = [s for s in stacked if s.collective]
     outside = [s for s in stacked if not s.collective]
+    if waiting and not outside:
+        return diverged_hang(states, waiting)
     if not waiting or not outside:
         return None
     culprit = outside[0]
     return Hang(culprit, [s for s in states if s is not culprit], waited_in=waiting[0].collective)
+
+
+def diverged_hang(states: list[RankState], waiting: list[RankState]) -> Hang | None:
+    """The rank in another collective than its peers (another call, or the same call from another
+    line: the ranks' code took different paths), where every stack read is in one: the collective
+    most ranks wait in is the one the job meant, the first rank in any other is the culprit. None where
+    they all wait in the same one (a lost peer, a partition), or no collective holds a majority (two
+    ranks, one in each: either may be the one that went astray)."""
+    groups: dict[str, list[RankState]] = {}
+    for state in waiting:
+        groups.setdefault(state.collective, []).append(state)
+    if len(groups) < 2:
+        return None
+    sizes = sorted((len(group) for group in groups.values()), reverse=True)
+    if sizes[0] == sizes[1]:
+        return None
+    meant = max(groups, key=lambda collective: len(groups[collective]))
+    culprit = next(s for s in waiting if s.collective != meant)
+    return Hang(culprit, [s for s in states if s is not culprit], waited_in=meant, diverged=True)
 
 
 def state_lines(reports: Mapping[str, list[Any] | None], node_ranks: Mapping[str, int]) -> list[str]:
