@@ -397,6 +397,14 @@ def recorded_stack(name: str) -> list[dict]:
     return node_ctl().main_thread_frames(dump, recorded["pid"])
 
 
+def recorded_threads(name: str) -> list[dict]:
+    """The rank's other threads from the same recorded dump, as node_ctl's other_thread_frames reports
+    them ([] where the rank had none with Python frames)."""
+    recorded = json.loads((STACKS / f"stack-{name}.json").read_text())
+    dump = json.dumps(recorded["dump"]).replace("{REPO}", str(REPO))
+    return node_ctl().other_thread_frames(dump, recorded["pid"])
+
+
 def rank_record(rank: int, stack: str | None = None, state: str = "S", **extra) -> dict:
     record = {
         "pid": 100 + rank,
@@ -406,7 +414,10 @@ def rank_record(rank: int, stack: str | None = None, state: str = "S", **extra) 
         "wchan": "futex_wait_queue",
         **extra,
     }
-    return {**record, "stack": recorded_stack(stack)} if stack else record
+    if not stack:
+        return record
+    threads = recorded_threads(stack)
+    return {**record, "stack": recorded_stack(stack), **({"threads": threads} if threads else {})}
 
 
 def stacked_stall(head: list[dict], w1: list[dict]) -> tuple[Diagnosis, str]:
@@ -472,6 +483,28 @@ def test_a_rank_in_another_collective_than_most_of_its_peers_is_named_by_its_sta
     assert diagnosis.restartable and diagnosis.at_fault == [], "the job's fault, not the node's"
     diagnosis, shown = stacked_stall([rank_record(0, "diverged-reducing")], [rank_record(1, "gathering")])
     assert diagnosis.cause.kind == "stall", shown
+
+
+def test_a_rank_whose_main_thread_waits_on_its_stuck_thread_names_that_thread():
+    """A rank's main thread in threading's join while its loader thread sleeps (a py-spy dump of a
+    real thread_loop.py rank): the rank is outside the collective, and what it waits on is named, its
+    thread and that thread's frame, in the cause and under its stack; a rank without other threads
+    says nothing of threads."""
+    diagnosis, shown = stacked_stall([rank_record(0, "waiting")], [rank_record(1, "joining")])
+    cause = diagnosis.cause
+    assert (cause.kind, cause.host, cause.rank) == ("hung", "w1", 1), shown
+    loader = "load_batch (thread_loop.py:15: time.sleep(3600))"
+    assert cause.message.startswith(
+        "not in the collective its peers wait in (all_reduce): at Thread._wait_for_tstate_lock (threading.py:"
+    ), cause.message
+    assert f"; its main thread waits on its thread loader, at {loader} — sleeping" in cause.message, (
+        cause.message
+    )
+    assert (
+        f"its thread loader (py-spy, innermost first):\n  {loader}\n  Thread.run (threading.py:" in shown
+    ), shown
+    diagnosis, _ = stacked_stall([rank_record(0, "waiting")], [rank_record(1, "sleeping")])
+    assert "its thread" not in diagnosis.cause.message
 
 
 def test_a_stopped_rank_comes_before_a_rank_outside_the_collective():

@@ -540,6 +540,10 @@ def _render_stall(
             view.message(f"stack of {escape(hang.culprit.where)} (py-spy, innermost first):")
             for frame in hang.culprit.frames[:20]:
                 view.log(f"  {frame.text}")
+            for thread in hang.culprit.threads:
+                view.message(f"its thread {escape(thread.name)} (py-spy, innermost first):")
+                for frame in thread.frames:
+                    view.log(f"  {frame.text}")
         return
     behind = stall.behind
     if behind:

@@ -93,6 +93,25 @@ class Frame:
         return f"{self.name} ({self.short_file}:{self.line}{code})"
 
 
+#: Where a thread waits on another of its process's threads (a join, a lock, a queue, a future).
+THREAD_WAIT_FILES = ("/threading.py", "/queue.py", "/concurrent/futures/")
+
+
+@dataclass(frozen=True)
+class ThreadStack:
+    """Another thread of a rank than its main one, as node_ctl.other_thread_frames reports it."""
+
+    name: str
+    frames: tuple[Frame, ...]
+
+    @classmethod
+    def of(cls, record: Any) -> ThreadStack | None:
+        if not isinstance(record, dict) or not isinstance(record.get("frames"), list):
+            return None
+        frames = tuple(f for f in map(Frame.of, record["frames"][:8]) if f is not None)
+        return cls(_text(record.get("name"), 80) or "?", frames) if frames else None
+
+
 @dataclass(frozen=True)
 class RankState:
     """One rank (or a process without a rank: torchrun's agent, a command without torchrun) as its
@@ -114,6 +133,8 @@ class RankState:
     """Its main thread's Python stack, innermost first (py-spy; a user's command only)."""
     stack_error: str = ""
     """Why its stack could not be read, where it was asked."""
+    threads: tuple[ThreadStack, ...] = ()
+    """Its other threads' stacks, where it has some with Python frames (py-spy; a user's command only)."""
 
     @classmethod
     def of(cls, host: str, node_rank: int, record: Any) -> RankState | None:
@@ -135,6 +156,9 @@ class RankState:
             if isinstance(stack := record.get("stack"), list)
             else (),
             _text(record.get("stack_error"), 500),
+            tuple(t for t in map(ThreadStack.of, threads[:8]) if t is not None)
+            if isinstance(threads := record.get("threads"), list)
+            else (),
         )
 
     @property
@@ -154,6 +178,20 @@ class RankState:
         )
         name = self.frames[outermost].name
         return f"{name}, called at {caller.text}" if caller is not None else name
+
+    @property
+    def waits_on_threads(self) -> str:
+        """`; its main thread waits on its thread loader, at load (x.py:15: time.sleep(3600))`: where
+        its main thread's innermost frame is a wait on another thread (a join, a lock, a queue) and it
+        has other threads, each one's innermost frame; else ''."""
+        if (
+            not self.frames
+            or not self.threads
+            or not any(part in self.frames[0].file for part in THREAD_WAIT_FILES)
+        ):
+            return ""
+        waited = "; ".join(f"{t.name}, at {t.frames[0].text}" for t in self.threads)
+        return f"; its main thread waits on its thread{'s' if len(self.threads) > 1 else ''} {waited}"
 
     @property
     def top_frames(self) -> str:
@@ -232,7 +270,7 @@ class Hang:
         if self.waited_in and not culprit.telling:
             return (
                 f"not in the collective its peers wait in ({self.waited_in.split(',')[0]}): at "
-                f"{culprit.top_frames} — {culprit.what}"
+                f"{culprit.top_frames}{culprit.waits_on_threads} — {culprit.what}"
             )
         return culprit.what if culprit.rank is not None else f"{culprit.label}: {culprit.what}"
 

@@ -525,6 +525,9 @@ def stacks(node_dir: Path, venv_bin: str) -> dict[str, str]:
 #: The frames kept of a rank's stack (innermost first), and how many of them get their source line.
 STACK_FRAMES = 24
 SOURCE_LINES = 3
+#: A rank's other threads reported with its stack, and the innermost frames of each.
+OTHER_THREADS = 6
+OTHER_THREAD_FRAMES = 4
 #: Yama's ptrace_scope (kernel.yama.ptrace_scope): who may attach a debugger.
 YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 
@@ -566,21 +569,24 @@ def _source_line(path: str, number: int) -> str:
     return ""
 
 
-def main_thread_frames(dump: str, pid: int) -> list[dict]:
-    """The main thread's frames from `py-spy dump --json` (innermost first): name, file, line, and the
-    source line of the innermost frame and of the first frames of the job's own code (outside any
-    installed package: the caller of a collective), SOURCE_LINES at most. The main thread is the one
-    whose OS thread id is the pid."""
+def _dumped_threads(dump: str) -> list[dict]:
     threads = json.loads(dump)
-    if not isinstance(threads, list) or not threads:
-        return []
-    main = next((t for t in threads if isinstance(t, dict) and t.get("os_thread_id") == pid), None)
-    main = main or next(
-        (t for t in threads if isinstance(t, dict) and t.get("thread_name") == "MainThread"), None
-    )
-    main = main or threads[0]
+    return [t for t in threads if isinstance(t, dict)] if isinstance(threads, list) else []
+
+
+def _main_thread(threads: list[dict], pid: int) -> dict | None:
+    """The main thread: the one whose OS thread id is the pid (else the one named MainThread)."""
+    main = next((t for t in threads if t.get("os_thread_id") == pid), None)
+    main = main or next((t for t in threads if t.get("thread_name") == "MainThread"), None)
+    return main or (threads[0] if threads else None)
+
+
+def _thread_frames(thread: dict, pid: int, limit: int = STACK_FRAMES) -> list[dict]:
+    """A thread's frames (innermost first): name, file, line, and the source line of the innermost
+    frame and of the first frames of the job's own code (outside any installed package: the caller of
+    a collective), SOURCE_LINES at most."""
     frames, sources = [], 0
-    for frame in (main.get("frames") or [])[:STACK_FRAMES] if isinstance(main, dict) else []:
+    for frame in (thread.get("frames") or [])[:limit]:
         if not isinstance(frame, dict):
             continue
         path, line = str(frame.get("filename") or ""), frame.get("line")
@@ -595,11 +601,41 @@ def main_thread_frames(dump: str, pid: int) -> list[dict]:
     return frames
 
 
+def main_thread_frames(dump: str, pid: int) -> list[dict]:
+    """The main thread's frames from `py-spy dump --json` (_thread_frames)."""
+    main = _main_thread(_dumped_threads(dump), pid)
+    return _thread_frames(main, pid) if main is not None else []
+
+
+def other_thread_frames(dump: str, pid: int) -> list[dict]:
+    """Every other thread with Python frames in `py-spy dump --json` ({"name", "frames"}, OTHER_THREADS
+    at most, OTHER_THREAD_FRAMES frames each): where the main thread waits on one of them (a join, a
+    queue, a lock), the stuck place is there."""
+    threads = _dumped_threads(dump)
+    main = _main_thread(threads, pid)
+    others = []
+    for thread in threads:
+        if thread is main or not thread.get("frames"):
+            continue
+        frames = _thread_frames(thread, pid, OTHER_THREAD_FRAMES)
+        if frames:
+            others.append(
+                {
+                    "name": str(thread.get("thread_name") or thread.get("os_thread_id") or "?"),
+                    "frames": frames,
+                }
+            )
+        if len(others) == OTHER_THREADS:
+            break
+    return others
+
+
 def add_stacks(records: list[dict], venv_bin: str) -> None:
     """Each running or sleeping rank's Python stack, its main thread's frames (main_thread_frames), as
-    `stack`; or why not as `stack_error`. For a stall of a user's command, whose ranks register no
-    stack dump of ours: py-spy reads it, pausing the rank a moment. A rank stopped, blocked (py-spy
-    would wait on a rank in state D) or exited is left out: its state says more."""
+    `stack`, and its other threads' (other_thread_frames) as `threads`; or why not as `stack_error`.
+    For a stall of a user's command, whose ranks register no stack dump of ours: py-spy reads it,
+    pausing the rank a moment. A rank stopped, blocked (py-spy would wait on a rank in state D) or
+    exited is left out: its state says more."""
     ranks = [r for r in records if r.get("rank") is not None and r.get("state") not in TELLING_STATES]
     if not ranks:
         return
@@ -620,10 +656,13 @@ def add_stacks(records: list[dict], venv_bin: str) -> None:
         dump, error = _py_spy_dump(spy, record["pid"], "--json")
         try:
             frames = main_thread_frames(dump, record["pid"]) if dump else []
+            threads = other_thread_frames(dump, record["pid"]) if frames else []
         except ValueError:
             frames, error = [], "py-spy's answer was not JSON"
         if frames:
             record["stack"] = frames
+            if threads:
+                record["threads"] = threads
             continue
         if scope == 1 and not error.startswith("py-spy did not"):
             # Attaching needs the rank's leave under ptrace_scope 1 (trainer/stack_access.py).
