@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -113,9 +114,14 @@ def main() -> None:
         (output_dir / "result.json").write_text(
             json.dumps({"world_size": world, "ranks": gathered}, indent=2)
         )
-    # A barrier before teardown: without it gloo sometimes aborts a rank on the way out (TESTBED.md).
+    # Every rank past its last collective, then out without gloo's teardown: torch 2.13's gloo under a
+    # static rendezvous (this script's, as Qwen's) sometimes aborts a rank in it ("terminate called
+    # without an active exception", exit 134; TESTBED.md), barrier or not (seen on the bed's worker1
+    # after the last step, 2026-11-29). The work is done and saved: nothing is lost by not tearing down.
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
