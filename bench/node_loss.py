@@ -17,6 +17,13 @@ attempt), in one run:
 
 Then ct-worker2's container is started again and waited on until it is a usable node
 (tests/helpers/testbed_nodes.py: systemd, sshd, the shared dir, ufw, chrony), with the seconds each took.
+
+With --back-after S the container is started again S seconds after the kill while the survivors train
+(a spot node back): the launcher probes it and grows the run back to 3 nodes at its next checkpoint.
+Printed besides: when the node answered again, when the launcher said it grows back, its first step
+on 3 nodes, the nodes of the last attempt, and the run's goodput: the time of the steps the finished
+run is made of (each step's `step_time` on rank 0's line, a step redone after a restart counted once,
+at its last run) over the wall time, from the launch and from its first step.
 A launcher that gives up on the lost node (no step after the kill) is reported as such: the bench
 prints what the launcher said after the kill and exits 1. Exit 0 only when the survivors resumed and
 the run finished.
@@ -27,7 +34,9 @@ again after changing trainer/node (`scripts/testbed/molecule.sh converge -s defa
 Run (the bed up: scripts/testbed/molecule.sh converge, verify; nothing else training on it, since
 the kill takes ct-worker2 from every run there):
     .venv/bin/python bench/node_loss.py [--kill-at 47] [--max-steps 100] [--save-steps 10]
-                                        [--engine deepspeed] [--log FILE] [--keep-run]
+                                        [--engine deepspeed] [--back-after 60] [--log FILE] [--keep-run]
+The issue's goodput case (issue 39), with steps of about half a second so that the run outlasts the
+comeback: --max-steps 300 --kill-at 100 --back-after 60 --set model.n_layer=4 --set model.n_embd=256.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +75,9 @@ ATTEMPT = re.compile(r"^Launching run \S+ on (\d+) node\(s\)")
 #: The launcher's line that says why and how it starts again (shown as is; the numbers come from rank 0).
 RESTART = re.compile(r"^restart \d+ of \d+:|; (resuming|starting|relaunching) ")
 RESUMED = re.compile(r"^resumed from \S+ at step (\d+)")
+STEP_TIME = re.compile(r"\bstep_time (\d+)ms\b")
+#: The launcher growing the run back once the node passes its probe (launcher/rejoin.py).
+GROWN = re.compile(rf"^{VICTIM} is back: growing to (\d+) nodes from (step-\d+)")
 #: The launcher naming the victim unreachable (its state line) or lost (the failure, the restart line).
 LOST = re.compile(rf"{VICTIM}\b.*(unreachable|\blost\b)")
 #: Past this, a run that has not ended is stopped (TERM: the launcher stops its nodes itself).
@@ -105,6 +118,7 @@ def launch_command(args: argparse.Namespace, inventory: Path, run_name: str) -> 
     ]
     if args.engine == "deepspeed":
         sets.append("distributed.zero_stage=2")
+    sets += args.set
     return [
         sys.executable, "-m", "trainer", "launch", "-i", str(inventory), "--run-name", run_name,
         "--engine", args.engine, "--max-restarts", "2", "--exclude-failed",
@@ -122,6 +136,9 @@ class Killed:
     step_shown: int
     code: int | None = None
     ended_at: float = 0.0
+    back: dict[str, float] | None = None
+    """With --back-after: the restore's seconds per part (restore_node), and `started`, `usable`: its
+    start and end in seconds from the kill."""
 
 
 def run_and_kill(
@@ -138,8 +155,14 @@ def run_and_kill(
             return output, None
         index, shown = len(output.lines), steps(output)[-1][1]
         killed = Killed(kill_node(VICTIM), index, shown)
+        comeback = None
+        if args.back_after is not None:
+            comeback = threading.Thread(target=bring_back, args=(killed, args.back_after), daemon=True)
+            comeback.start()
         killed.code = output.finish(timeout=RUN_TIMEOUT_S)
         killed.ended_at = time.monotonic()
+        if comeback is not None:
+            comeback.join(timeout=600)
         return output, killed
     finally:
         if output.proc.poll() is None:  # an error here: the launcher stops its nodes on TERM
@@ -157,6 +180,63 @@ def run_and_kill(
             )
         if not args.keep_run:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def bring_back(killed: Killed, after: float) -> None:
+    """Start the victim's container again `after` seconds after the kill, while the run goes on."""
+    time.sleep(max(0.0, killed.at + after - time.monotonic()))
+    began = time.monotonic()
+    parts = restore_node(VICTIM)
+    killed.back = {**parts, "started": began - killed.at, "usable": time.monotonic() - killed.at}
+
+
+def goodput(output: LauncherOutput, launched: float, ended: float) -> tuple[float, float, float] | None:
+    """(useful seconds, goodput from the launch, goodput from the first step): the step time of every
+    step the finished run is made of, each at its last run (a step redone after a restart replaces the
+    one lost), over the wall time. None where no step line carried its time."""
+    last_run: dict[int, float] = {}
+    first_at = None
+    for line in output.lines:
+        step, took = STEP.match(line.text), STEP_TIME.search(line.text)
+        if step and took:
+            last_run[int(step.group(1))] = int(took.group(1)) / 1000
+            first_at = line.at if first_at is None else first_at
+    if not last_run or first_at is None:
+        return None
+    useful = sum(last_run.values())
+    return useful, useful / (ended - launched), useful / (ended - first_at)
+
+
+def report_comeback(output: LauncherOutput, killed: Killed) -> bool:
+    """With --back-after: when the node was back, when the run grew back and its first step on 3 nodes,
+    and whether the last attempt ran on 3 nodes."""
+    after = output.lines[killed.index :]
+    back = killed.back or {}
+    if back:
+        print(
+            f"node back             : started {back['started']:.1f} s after the kill, usable at "
+            f"{back['usable']:.1f} s ("
+            + ", ".join(f"{k} {v:.1f} s" for k, v in back.items() if k not in ("started", "usable"))
+            + ")"
+        )
+    else:
+        print("node back             : not restored before the run ended")
+    grown_index = next((i for i, line in enumerate(after) if GROWN.match(line.text)), None)
+    if grown_index is None:
+        print("grew back             : never (the run went on without it)")
+    else:
+        grown = after[grown_index]
+        print(f"grew back             : {grown.at - killed.at:7.1f} s after the kill: {grown.text}")
+        first = next((line for line in after[grown_index:] if STEP.match(line.text)), None)
+        if first is not None:
+            print(
+                f"first step on 3 nodes : {first.at - killed.at:7.1f} s after the kill"
+                + (f", {first.at - (killed.at + back['usable']):.1f} s after it was usable" if back else "")
+            )
+    attempts = [ATTEMPT.match(line.text) for line in output.lines if ATTEMPT.match(line.text)]
+    last_nodes = int(attempts[-1].group(1)) if attempts else 0
+    print(f"last attempt          : on {last_nodes} nodes")
+    return grown_index is not None and last_nodes == 3
 
 
 def report(args: argparse.Namespace, output: LauncherOutput, killed: Killed, started: float) -> int:
@@ -206,12 +286,22 @@ def report(args: argparse.Namespace, output: LauncherOutput, killed: Killed, sta
         f"launcher exit code    : {killed.code}, {killed.ended_at - killed.at:.1f} s after the kill, "
         f"{killed.ended_at - started:.1f} s in all"
     )
-    if first_resumed is not None and finished:
+    came_back = report_comeback(output, killed) if args.back_after is not None else True
+    measured = goodput(output, started, killed.ended_at)
+    if measured is not None:
+        useful, from_launch, from_first_step = measured
+        print(
+            f"goodput               : {from_launch:.1%} from the launch, {from_first_step:.1%} from the "
+            f"first step ({useful:.1f} s of the finished run's steps in {killed.ended_at - started:.1f} s)"
+        )
+    if first_resumed is not None and finished and came_back:
         return 0
     why = (
         "the survivors never logged a step after the kill"
         if first_resumed is None
         else "the run did not finish"
+        if not finished
+        else f"{VICTIM} came back but the run did not end on 3 nodes"
     )
     print(f"\nFAILED: {why}. What the launcher said after the kill (step lines left out):")
     print("\n".join(f"  {line.text}" for line in after if not STEP.match(line.text))[:6000])
@@ -225,9 +315,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> int:
         settings.update(yaml.safe_load(path.read_text()) or {})
     run_dir = Path(settings["cluster_shared_dir"]) / "runs" / f"bench-node-loss-{os.getpid()}"
     zero = " ZeRO-2" if args.engine == "deepspeed" else ""
+    back = f", started again {args.back_after:g} s later" if args.back_after is not None else ""
     print(
         f"node loss on the test bed: 3 nodes x 1 process, {args.engine}{zero}, {args.max_steps} steps, a "
-        f"checkpoint every {args.save_steps}; {VICTIM}'s container killed at step {args.kill_at}",
+        f"checkpoint every {args.save_steps}; {VICTIM}'s container killed at step {args.kill_at}{back}",
         flush=True,
     )
     started = time.monotonic()
@@ -247,6 +338,13 @@ def main() -> int:
     parser.add_argument("--max-steps", type=int, default=100, help="train.max_steps (default: 100)")
     parser.add_argument("--save-steps", type=int, default=10, help="checkpoint.save_steps (default: 10)")
     parser.add_argument("--engine", choices=("ddp", "deepspeed"), default="ddp", help="deepspeed: ZeRO-2")
+    parser.add_argument(
+        "--back-after", type=float, help="start the killed node again this many seconds after the kill"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a trainer setting, as trainer launch --set (a larger model: steps that last past the comeback)",
+    )  # fmt: skip
     parser.add_argument("--log", help="write the launcher's output here, with seconds from the kill")
     parser.add_argument("--keep-run", action="store_true", help="keep the run's dir on the shared dir")
     args = parser.parse_args()
