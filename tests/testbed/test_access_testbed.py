@@ -230,14 +230,22 @@ def test_typed_sudo_password_at_a_terminal(inventory, tmp_path):
 
 
 def test_provision_with_the_password_from_a_file_and_the_firewall_keeps_the_controller_in(inventory):
+    # With the bed's own master port: the firewall role opens it on the head, and this module's port
+    # left the head's rules unlike the bed's record, so the next checked site.yml (the converged-limits
+    # test's, last of the bed) was a full run (~70 s of CI's bed) where a skip was due.
+    overrides = inventory / "group_vars" / "cluster" / "zz_access_test.yml"
+    settings = yaml.safe_load(overrides.read_text())
+    settings["cluster_master_port"] = group_vars()["cluster_master_port"]
+    overrides.write_text(yaml.safe_dump(settings))
     base = [str(ANSIBLE_PLAYBOOK), "playbooks/site.yml", "-i", str(inventory)]
     file_option = ["--become-password-file", str(BECOME_PASSWORD_FILE)]
     env = {**ENV, "ANSIBLE_NOCOLOR": "1"}
-    # A re-run of the SSH and firewall parts over the port-2222 connection: it connects, and changes nothing.
+    # A re-run of the SSH and firewall parts (ct-worker2 over its port-2222 connection): it connects, and
+    # changes nothing on any node.
     rc, out = run([*base, "--tags", "ssh_trust,firewall", *file_option], env, timeout=900)
     assert rc == 0, out[-4000:]
-    recap = [line for line in out.splitlines() if line.startswith(PASSWORD_HOST) and "changed=" in line]
-    assert recap and "changed=0" in recap[-1] and "unreachable=0" in recap[-1], recap
+    recap = [line for line in out.splitlines() if line.startswith("ct-") and "changed=" in line]
+    assert len(recap) == 3 and all("changed=0" in line and "unreachable=0" in line for line in recap), recap
 
     # SSH allowed only from an address that is not the controller's: refused before any rule changes.
     rules = {
