@@ -108,10 +108,11 @@ def squashed_inventory(tmp_path) -> Iterator[Path]:
         on_node(SQUASHED_HOST, f"rm -f {SQUASHED_PYTHON}")
 
 
-def fresh_record() -> None:
+def fresh_record() -> str:
     """Make every node's record match the node: a run with the converged check on either skips (the
-    record is fresh already) or is a full run, which writes it."""
-    site(*CONVERGED_ON)
+    record is fresh already) or is a full run, which writes it. Its output."""
+    out, _ = site(*CONVERGED_ON)
+    return out
 
 
 def port_ct_worker2_is_dialled_on() -> str:
@@ -121,8 +122,9 @@ def port_ct_worker2_is_dialled_on() -> str:
 
 
 def test_targeted_runs_on_a_converged_cluster_run_their_roles():
-    fresh_record()
-    out, _ = site(*CONVERGED_ON)
+    out = fresh_record()
+    if SKIPPED not in out:  # it wrote the record: the next plain run is the control
+        out, _ = site(*CONVERGED_ON)
     assert SKIPPED in out, "the control: a plain run of the untouched cluster is skipped"
 
     # A targeted run is what a user reaches for after a change the record does not watch.

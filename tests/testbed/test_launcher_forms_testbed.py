@@ -104,8 +104,8 @@ def test_a_launcher_whose_nodes_never_join_the_head_is_stopped_with_exit_2(testb
     """c10d with a loopback endpoint: each node hosts a store of its own and waits there for 3 nodes."""
     inventory, run_name, workdir = testbed
     command = ["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29612", "allreduce.py"]
-    rc, out = launch(inventory, run_name, "--world-timeout", "20", "--", *command)
+    rc, out = launch(inventory, run_name, "--world-timeout", "10", "--", *command)
     assert rc == 2, out
-    assert "world check failed: ct-worker1, ct-worker2 did not connect to the head within 20 s" in out
+    assert "world check failed: ct-worker1, ct-worker2 did not connect to the head within 10 s" in out
     assert "torchrun formed a separate job" in out
     assert "stopped" in out and not results(workdir)
