@@ -14,6 +14,11 @@ from pathlib import Path
 
 import pytest
 
+#: The start of every temporary account the tests make (here, and the two made by hand in
+#: test_preflight_locks and test_preflight_iperf_local): a test that reads the machine's accounts while
+#: other tests run beside it (CI's queue) leaves these out.
+TEST_ACCOUNT_PREFIX = "ct-"
+
 
 @contextlib.contextmanager
 def local_account(name: str) -> Iterator[pwd.struct_passwd]:
