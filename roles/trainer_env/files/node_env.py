@@ -303,18 +303,26 @@ def unpack(args) -> dict:
     tree = tree_digest(venv)
     if tree != args.tree:
         raise SystemExit(f"{venv} unpacked from {target} differs from the builder's ({tree} != {args.tree})")
-    write_record(
-        envs,
-        {
-            "key": args.key,
-            "base": args.base,
-            "sha256": args.sha256,
-            "size": target.stat().st_size,
-            "tree": tree,
-            "members": members,
-            "how": f"unpacked from {args.origin}" if args.origin else "restored from this node's pack",
-        },
+    record = {
+        "key": args.key,
+        "base": args.base,
+        "sha256": args.sha256,
+        "size": target.stat().st_size,
+        "tree": tree,
+        "members": members,
+        "how": f"unpacked from {args.origin}" if args.origin else "restored from this node's pack",
+    }
+    held = read_record(envs)
+    # A restore from the node's own pack puts back the environment its record describes: the record
+    # stays as it is, byte for byte. Rewritten (its `how` changed), it read as a new environment to
+    # the converged check, which hashes it, and the next checked site.yml was a full run for nothing.
+    restored_as_recorded = (
+        not args.source
+        and held
+        and all(held.get(field) == record[field] for field in ("key", "sha256", "tree"))
     )
+    if not restored_as_recorded:
+        write_record(envs, record)
     drop_other_packs(envs, args.key)
     remove_later(replaced)
     did = "unpack" if args.source else "seed" if args.origin else "restore"

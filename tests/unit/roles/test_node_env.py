@@ -115,8 +115,13 @@ def test_a_pack_unpacks_to_the_same_tree_and_a_changed_venv_is_seen_and_restored
     # Someone edits a file in the venv: the state says so; the node's own pack restores it.
     (builder.venv / "lib" / "python3.11" / "site-packages" / "pkg" / "__init__.py").write_text("VALUE = 2\n")
     assert not builder.run("state")["tree_ok"]
+    recorded = (builder.envs / "installed.json").read_bytes()
     restored = builder.run("unpack", *wanted)
     assert restored["did"] == "restore" and restored["tree_ok"]
+    # The environment its record describes is back: the record is left as it was (the converged check
+    # hashes it: rewritten, the next checked run would be a full one).
+    assert (builder.envs / "installed.json").read_bytes() == recorded
+    assert restored["installed"]["how"] == "unpacked from builder"
     assert (
         "VALUE = 1"
         in (builder.venv / "lib" / "python3.11" / "site-packages" / "pkg" / "__init__.py").read_text()
