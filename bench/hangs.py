@@ -57,6 +57,14 @@ KINDS = ("sigstop", "sleep", "torchrun-sigstop", "torchrun-sleep", "torchrun-div
 HANG_LOOP = REPO / "tests" / "data" / "hang_user" / "allreduce_loop.py"
 #: A user's loop whose rank HANG_RANK calls all_gather at step HANG_STEP where the others all_reduce.
 DIVERGED_LOOP = HANG_LOOP.with_name("diverged_loop.py")
+#: Your own command's kinds: how the rank hangs (HANG: SIGSTOP, a sleep outside the collective, or
+#: all_gather, which diverged_loop.py does whatever HANG says), the script, the processes per node
+#: (two where a majority must wait in the collective the diverged rank is not in).
+TORCHRUN_KINDS = {
+    "torchrun-sigstop": ("stop", HANG_LOOP, 1),
+    "torchrun-sleep": ("sleep", HANG_LOOP, 1),
+    "torchrun-diverged": ("all_gather", DIVERGED_LOOP, 2),
+}
 
 
 class Launch:
@@ -129,8 +137,8 @@ def node_pids(node_dir: Path, program: str) -> list[int]:
 
 
 def run_kind(kind: str, root: Path, stall_s: float) -> dict:
-    # Two ranks per node where a majority must wait in the collective the diverged rank is not in.
-    inventory, shared = write_inventory(root, training_procs_per_node=2 if kind == "torchrun-diverged" else 1)
+    _, _, processes = TORCHRUN_KINDS.get(kind, ("", None, 1))
+    inventory, shared = write_inventory(root, training_procs_per_node=processes)
     shared.mkdir(exist_ok=True)
     node1 = shared / "runs" / kind / "launch" / "node-1"
     base = [*launch_command(inventory, "--run-name", kind, "--stall-timeout", f"{stall_s:g}")]
@@ -147,15 +155,11 @@ def run_kind(kind: str, root: Path, stall_s: float) -> dict:
         wait_for(lambda: int(progress(node1, 1).get("done") or 0) >= 5, "rank 1's step 5 done", launch)
         # The rank sleeps right after writing that record: its age is how long ago the sleep began.
         injected = time.monotonic() - (time.time() - record.stat().st_mtime)
-    elif kind in ("torchrun-sigstop", "torchrun-sleep", "torchrun-diverged"):
-        # The rank hangs itself (HANG=stop: SIGSTOP; sleep: outside the collective; diverged: in
-        # all_gather) at step 20.
+    elif kind in TORCHRUN_KINDS:
+        # The rank hangs itself at step 20, as TORCHRUN_KINDS says.
         mark = root / "hang-mark"
-        hang = {"torchrun-sigstop": "stop", "torchrun-sleep": "sleep"}.get(kind, "all_gather")
-        if kind == "torchrun-diverged":
-            command = ["--", "torchrun", "--nproc-per-node", "2", str(DIVERGED_LOOP)]
-        else:
-            command = ["--", "torchrun", "--nproc-per-node", "1", str(HANG_LOOP)]
+        hang, script, processes = TORCHRUN_KINDS[kind]
+        command = ["--", "torchrun", "--nproc-per-node", str(processes), str(script)]
         settings = ["--env", f"HANG_MARK={mark}", "--env", "HANG_STEP=20", "--env", f"HANG={hang}"]
         launch = Launch([*base, *settings, *command])
         wait_for(mark.exists, f"rank 1's {hang}", launch)

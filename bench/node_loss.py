@@ -233,8 +233,8 @@ def report_comeback(output: LauncherOutput, killed: Killed) -> bool:
                 f"first step on 3 nodes : {first.at - killed.at:7.1f} s after the kill"
                 + (f", {first.at - (killed.at + back['usable']):.1f} s after it was usable" if back else "")
             )
-    attempts = [ATTEMPT.match(line.text) for line in output.lines if ATTEMPT.match(line.text)]
-    last_nodes = int(attempts[-1].group(1)) if attempts else 0
+    attempts = [int(match.group(1)) for line in output.lines if (match := ATTEMPT.match(line.text))]
+    last_nodes = attempts[-1] if attempts else 0
     print(f"last attempt          : on {last_nodes} nodes")
     return grown_index is not None and last_nodes == 3
 

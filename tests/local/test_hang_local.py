@@ -151,11 +151,11 @@ def test_a_command_blocked_on_a_hung_mount_names_the_node_and_the_file(loopback,
         assert launch_processes(shared / "runs" / "dstate" / "launch" / f"node-{node}") == []
 
 
-def user_hang(tmp_path: Path, script: Path, run_name: str, **settings) -> tuple[list[str], float, Path]:
+def user_hang(tmp_path: Path, script: Path, run_name: str, **settings) -> tuple[list[str], dict]:
     """`trainer launch --stall-timeout 20 -- torchrun SCRIPT` on two loopback nodes (`settings` over
-    the inventory's), to its end: the launcher's lines, the seconds from the hang's start (the time
-    the script wrote into HANG_MARK) to the culprit's line, and the run's dir. It must have exited
-    HUNG (71) and named a culprit."""
+    the inventory's), to its end: the launcher's lines and its last `stopped` record. It must have
+    exited HUNG (71), named a culprit within 60 s of the hang's start (the time the script wrote into
+    HANG_MARK), and left no process of the launch on either node."""
     if shutil.which("py-spy", path=str(VENV / "bin")) is None:
         pytest.fail("py-spy is not in the test venv: make install-train installs the train extra with it")
     workdir = tmp_path / "code"
@@ -189,7 +189,11 @@ def user_hang(tmp_path: Path, script: Path, run_name: str, **settings) -> tuple[
     named_after = named_at - float(mark.read_text())
     print(f"hang's start to the culprit named: {named_after:.1f} s (--stall-timeout {STALL_S})")
     assert named_after < 60, f"named {named_after:.0f} s after the hang began: {out}"
-    return lines, named_after, shared / "runs" / run_name
+    run = shared / "runs" / run_name
+    for node in (0, 1):
+        assert launch_processes(run / "launch" / f"node-{node}") == []
+    history = (run / "launch" / "history.jsonl").read_text().splitlines()
+    return lines, [r for r in map(json.loads, history) if r.get("event") == "stopped"][-1]
 
 
 def test_a_user_command_rank_sleeping_outside_its_collective_is_named_by_its_stack(tmp_path):
@@ -197,7 +201,7 @@ def test_a_user_command_rank_sleeping_outside_its_collective_is_named_by_its_sta
     sleeps at step 5 while rank 0 waits in all_reduce. With --stall-timeout 20 the launcher finds the
     silence, reads each rank's state and Python stack (py-spy) and names rank 1 on node1 with its top
     frame, the sleep, within 60 s of the hang's start; it stops every process and exits HUNG (71)."""
-    lines, _, run = user_hang(tmp_path, HANG_SCRIPT, "usersleep")
+    lines, stop = user_hang(tmp_path, HANG_SCRIPT, "usersleep")
     out = "".join(lines)
     sleep_frame = "hang (allreduce_loop.py:20: time.sleep(3600))"
     culprit = next(line for line in lines if line.startswith("culprit: "))
@@ -207,13 +211,9 @@ def test_a_user_command_rank_sleeping_outside_its_collective_is_named_by_its_sta
     assert "(rank 1 on node1 (node 1), exit code 71)" in culprit, culprit
     assert "then: rank 0 on node0 (node 0): waiting in all_reduce, called at main (allreduce_loop.py:" in out
     assert f"stack of rank 1 on node1 (node 1) (py-spy, innermost first):\n  {sleep_frame}" in out, out
-    history = (run / "launch" / "history.jsonl").read_text().splitlines()
-    stop = [r for r in map(json.loads, history) if r.get("event") == "stopped"][-1]
     assert (stop["why"], stop["hosts"], stop["exit_code"]) == ("hung", ["node1"], exitcodes.HUNG), stop
     assert (stop["cause"]["host"], stop["cause"]["rank"]) == ("node1", 1), stop
     assert sleep_frame in stop["cause"]["message"], stop
-    for node in (0, 1):
-        assert launch_processes(run / "launch" / f"node-{node}") == []
 
 
 def test_a_user_command_rank_in_another_collective_is_named_by_its_stack(tmp_path):
@@ -222,7 +222,7 @@ def test_a_user_command_rank_in_another_collective_is_named_by_its_stack(tmp_pat
     (gloo). Every stack is in a collective, so no rank is outside one: the launcher names rank 1 as
     the one in another collective than its peers (all_gather against all_reduce, each with its line),
     within 60 s of the hang's start, stops every process and exits HUNG (71)."""
-    lines, _, run = user_hang(tmp_path, DIVERGED_SCRIPT, "diverged", training_procs_per_node=2)
+    lines, stop = user_hang(tmp_path, DIVERGED_SCRIPT, "diverged", training_procs_per_node=2)
     out = "".join(lines)
     culprit = next(line for line in lines if line.startswith("culprit: "))
     gather = "all_gather, called at main (diverged_loop.py:22: dist.all_gather("
@@ -232,8 +232,4 @@ def test_a_user_command_rank_in_another_collective_is_named_by_its_stack(tmp_pat
     assert "(rank 1 on node0 (node 0), exit code 71)" in culprit, culprit
     for rank, node in ((0, 0), (2, 1), (3, 1)):
         assert f"then: rank {rank} on node{node} (node {node}): waiting in {reduce}" in out, out
-    stop = [r for r in map(json.loads, (run / "launch" / "history.jsonl").read_text().splitlines())
-            if r.get("event") == "stopped"][-1]  # fmt: skip
     assert (stop["why"], stop["cause"]["host"], stop["cause"]["rank"]) == ("hung", "node0", 1), stop
-    for node in (0, 1):
-        assert launch_processes(run / "launch" / f"node-{node}") == []

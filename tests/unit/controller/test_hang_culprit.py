@@ -388,21 +388,14 @@ def test_a_node_whose_port_its_peers_get_no_answer_from_is_cut_off(tmp_path):
     assert f"then: head (node 0): waiting in its collective: no answer from w2 on port {port}" in shown, shown
 
 
-def recorded_stack(name: str) -> list[dict]:
-    """A rank's frames as node_ctl's states answer carries them: node_ctl.main_thread_frames over a
-    py-spy dump recorded from a real rank (tests/data/hang_user/stack-NAME.json, the repository's
-    path written as {REPO}, so the source lines are read from this checkout)."""
+def recorded_stacks(name: str) -> tuple[list[dict], list[dict]]:
+    """A rank's main-thread frames and other threads as node_ctl's states answer carries them:
+    node_ctl.thread_stacks over a py-spy dump recorded from a real rank (tests/data/hang_user/
+    stack-NAME.json, the repository's path written as {REPO}, so the source lines are read from this
+    checkout)."""
     recorded = json.loads((STACKS / f"stack-{name}.json").read_text())
     dump = json.dumps(recorded["dump"]).replace("{REPO}", str(REPO))
-    return node_ctl().main_thread_frames(dump, recorded["pid"])
-
-
-def recorded_threads(name: str) -> list[dict]:
-    """The rank's other threads from the same recorded dump, as node_ctl's other_thread_frames reports
-    them ([] where the rank had none with Python frames)."""
-    recorded = json.loads((STACKS / f"stack-{name}.json").read_text())
-    dump = json.dumps(recorded["dump"]).replace("{REPO}", str(REPO))
-    return node_ctl().other_thread_frames(dump, recorded["pid"])
+    return node_ctl().thread_stacks(dump, recorded["pid"])
 
 
 def rank_record(rank: int, stack: str | None = None, state: str = "S", **extra) -> dict:
@@ -416,8 +409,8 @@ def rank_record(rank: int, stack: str | None = None, state: str = "S", **extra) 
     }
     if not stack:
         return record
-    threads = recorded_threads(stack)
-    return {**record, "stack": recorded_stack(stack), **({"threads": threads} if threads else {})}
+    frames, threads = recorded_stacks(stack)
+    return {**record, "stack": frames, **({"threads": threads} if threads else {})}
 
 
 def stacked_stall(head: list[dict], w1: list[dict]) -> tuple[Diagnosis, str]:

@@ -25,6 +25,7 @@ SSH works; every rank waits in its collective, state S, so the states alone cann
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,7 @@ def _text(value: Any, limit: int = 200) -> str:
 
 @dataclass(frozen=True)
 class Frame:
-    """One frame of a rank's Python stack, as node_ctl.main_thread_frames reports it."""
+    """One frame of a rank's Python stack, as node_ctl.thread_stacks reports it."""
 
     name: str
     file: str
@@ -99,7 +100,7 @@ THREAD_WAIT_FILES = ("/threading.py", "/queue.py", "/concurrent/futures/")
 
 @dataclass(frozen=True)
 class ThreadStack:
-    """Another thread of a rank than its main one, as node_ctl.other_thread_frames reports it."""
+    """Another thread of a rank than its main one, as node_ctl.thread_stacks reports it."""
 
     name: str
     frames: tuple[Frame, ...]
@@ -355,15 +356,12 @@ def diverged_hang(states: list[RankState], waiting: list[RankState]) -> Hang | N
     most ranks wait in is the one the job meant, the first rank in any other is the culprit. None where
     they all wait in the same one (a lost peer, a partition), or no collective holds a majority (two
     ranks, one in each: either may be the one that went astray)."""
-    groups: dict[str, list[RankState]] = {}
-    for state in waiting:
-        groups.setdefault(state.collective, []).append(state)
-    if len(groups) < 2:
+    counts = Counter(state.collective for state in waiting)
+    if len(counts) < 2:
         return None
-    sizes = sorted((len(group) for group in groups.values()), reverse=True)
-    if sizes[0] == sizes[1]:
+    (meant, most), (_, next_most) = counts.most_common(2)
+    if most == next_most:
         return None
-    meant = max(groups, key=lambda collective: len(groups[collective]))
     culprit = next(s for s in waiting if s.collective != meant)
     return Hang(culprit, [s for s in states if s is not culprit], waited_in=meant, diverged=True)
 

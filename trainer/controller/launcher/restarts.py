@@ -117,6 +117,16 @@ def nearest_batch(effective: int, micro_batch_size: int, world: int) -> BatchSpl
     return BatchSplit(micro_batch_size, accumulation, world)
 
 
+def split_for_world(plan: JobPlan, world: int, allow_change: bool) -> BatchSplit | None:
+    """The split `plan`'s run goes on with on `world` processes: its effective batch kept (keep_batch),
+    else with --allow-batch-change the nearest; None where it cannot be kept and no change is allowed."""
+    effective, micro = plan.effective_batch_size, plan.micro_batch_size
+    split = keep_batch(effective, micro, world)
+    if split is None and allow_change:
+        split = nearest_batch(effective, micro, world)
+    return split
+
+
 class Attempts(Protocol):
     """What the policy needs of launch.Launcher: one attempt at a time, a new plan, the run's lock."""
 
@@ -449,9 +459,9 @@ class RestartPolicy:
         overrides: list[str] = []
         batch_text = ""
         if plan.runs_bundled_trainer:
-            effective, micro = plan.effective_batch_size, plan.micro_batch_size
-            split = keep_batch(effective, micro, new_world)
-            if split is None and not self.allow_batch_change:
+            split = split_for_world(plan, new_world, self.allow_batch_change)
+            if split is None:
+                effective, micro = plan.effective_batch_size, plan.micro_batch_size
                 nearest = nearest_batch(effective, micro, new_world)
                 view.message(
                     f"[red]not restarted[/red]: without {names} the effective batch {effective} (micro batch "
@@ -460,8 +470,6 @@ class RestartPolicy:
                     f"with {nearest.effective} (accumulation {nearest.accumulation}), or once {names} is back"
                 )
                 return None
-            if split is None:
-                split = nearest_batch(effective, micro, new_world)
             overrides = split.overrides()
             batch_text = split.change_from(plan)
         try:

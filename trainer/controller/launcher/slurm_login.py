@@ -28,7 +28,7 @@ from trainer import exitcodes
 from trainer.controller.inventory import PlanningError
 from trainer.controller.launcher.live import LiveView, node_text
 from trainer.controller.launcher.plan import JobPlan, slurm_login_plan
-from trainer.controller.launcher.restarts import keep_batch, nearest_batch
+from trainer.controller.launcher.restarts import split_for_world
 from trainer.controller.launcher.sbatch import write_private
 from trainer.controller.launcher.slurm_allocation import SlurmError, slurm
 from trainer.controller.launcher.slurm_batch import (
@@ -114,14 +114,12 @@ def without_lost_node(
     batch_text = "the batch as before: your own command"
     if plan.runs_bundled_trainer:
         world = nodes * plan.topology.gpus_per_node
-        effective, micro = plan.effective_batch_size, plan.micro_batch_size
-        split = keep_batch(effective, micro, world)
-        if split is None and not args.allow_batch_change:
+        split = split_for_world(plan, world, args.allow_batch_change)
+        if split is None:
             return (
-                f"the effective batch {effective} cannot be kept on {world} process(es) "
+                f"the effective batch {plan.effective_batch_size} cannot be kept on {world} process(es) "
                 "(--allow-batch-change goes on with the nearest)"
             )
-        split = split or nearest_batch(effective, micro, world)
         options += [arg for setting in split.overrides() for arg in ("--set", setting)]
         batch_text = split.change_from(plan)
     # The lost job's launcher held the run's lock and died with its node (the job is cancelled and

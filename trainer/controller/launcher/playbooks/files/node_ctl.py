@@ -601,38 +601,29 @@ def _thread_frames(thread: dict, pid: int, limit: int = STACK_FRAMES) -> list[di
     return frames
 
 
-def main_thread_frames(dump: str, pid: int) -> list[dict]:
-    """The main thread's frames from `py-spy dump --json` (_thread_frames)."""
-    main = _main_thread(_dumped_threads(dump), pid)
-    return _thread_frames(main, pid) if main is not None else []
-
-
-def other_thread_frames(dump: str, pid: int) -> list[dict]:
-    """Every other thread with Python frames in `py-spy dump --json` ({"name", "frames"}, OTHER_THREADS
-    at most, OTHER_THREAD_FRAMES frames each): where the main thread waits on one of them (a join, a
-    queue, a lock), the stuck place is there."""
+def thread_stacks(dump: str, pid: int) -> tuple[list[dict], list[dict]]:
+    """From one `py-spy dump --json`: the main thread's frames (_thread_frames), and every other thread
+    with Python frames ({"name", "frames"}, OTHER_THREADS at most, OTHER_THREAD_FRAMES frames each):
+    where the main thread waits on one of those (a join, a queue, a lock), the stuck place is there."""
     threads = _dumped_threads(dump)
     main = _main_thread(threads, pid)
+    if main is None:
+        return [], []
     others = []
     for thread in threads:
-        if thread is main or not thread.get("frames"):
-            continue
-        frames = _thread_frames(thread, pid, OTHER_THREAD_FRAMES)
-        if frames:
-            others.append(
-                {
-                    "name": str(thread.get("thread_name") or thread.get("os_thread_id") or "?"),
-                    "frames": frames,
-                }
-            )
         if len(others) == OTHER_THREADS:
             break
-    return others
+        if thread is main or not (frames := _thread_frames(thread, pid, OTHER_THREAD_FRAMES)):
+            continue
+        others.append(
+            {"name": str(thread.get("thread_name") or thread.get("os_thread_id") or "?"), "frames": frames}
+        )
+    return _thread_frames(main, pid), others
 
 
 def add_stacks(records: list[dict], venv_bin: str) -> None:
-    """Each running or sleeping rank's Python stack, its main thread's frames (main_thread_frames), as
-    `stack`, and its other threads' (other_thread_frames) as `threads`; or why not as `stack_error`.
+    """Each running or sleeping rank's Python stack (thread_stacks), its main thread's frames as
+    `stack` and its other threads' as `threads`; or why not as `stack_error`.
     For a stall of a user's command, whose ranks register no stack dump of ours: py-spy reads it,
     pausing the rank a moment. A rank stopped, blocked (py-spy would wait on a rank in state D) or
     exited is left out: its state says more."""
@@ -655,8 +646,7 @@ def add_stacks(records: list[dict], venv_bin: str) -> None:
             continue
         dump, error = _py_spy_dump(spy, record["pid"], "--json")
         try:
-            frames = main_thread_frames(dump, record["pid"]) if dump else []
-            threads = other_thread_frames(dump, record["pid"]) if frames else []
+            frames, threads = thread_stacks(dump, record["pid"]) if dump else ([], [])
         except ValueError:
             frames, error = [], "py-spy's answer was not JSON"
         if frames:
