@@ -4,7 +4,9 @@ mount that never answers (state D; needs root). The launcher names the host and 
 state within about the stall bound, stops every process, and exits with HUNG (71). A user's own
 torchrun all-reduce loop whose rank 1 sleeps outside the collective, and one whose rank 1 calls
 all_gather where its peers all_reduce, are named by the ranks' Python stacks (py-spy, the train
-extra), within a minute of the hang's start."""
+extra), within a minute of the hang's start. And the other side: a healthy run of the bundled trainer
+whose step takes 90 s of computing, past the default bound's minute, with checkpoint saves, is not
+called a hang."""
 
 from __future__ import annotations
 
@@ -233,3 +235,32 @@ def test_a_user_command_rank_in_another_collective_is_named_by_its_stack(tmp_pat
     for rank, node in ((0, 0), (2, 1), (3, 1)):
         assert f"then: rank {rank} on node{node} (node {node}): waiting in {reduce}" in out, out
     assert (stop["why"], stop["cause"]["host"], stop["cause"]["rank"]) == ("hung", "node0", 1), stop
+
+
+def test_a_step_computed_for_90_s_with_checkpoint_saves_is_not_called_a_hang(loopback, tmp_path):
+    """The bundled trainer on two loopback nodes with the default watchdog (no --stall-timeout: the
+    bound adapts, 4 x the slowest step and at least 60 s): rank 1 computes for 90 s before step 6
+    (TRAINER_TEST_COMPUTE, a busy loop on its training thread) while rank 0 waits in its collective,
+    and a checkpoint is saved every 3 steps. The launcher sees rank 1 computing past the minute, says
+    it is a slow step, not a hang, and the run ends with every step done (exit 0)."""
+    inventory, shared = loopback
+    command = launch_command(
+        inventory,
+        "--run-name",
+        "slowstep",
+        "--env",
+        "TRAINER_TEST_COMPUTE=1:6:90",
+        "--set",
+        "train.max_steps=9",
+        *TINY,
+    )
+    run = subprocess.run(
+        command, capture_output=True, text=True, env=run_env(tmp_path), timeout=600, check=False
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    said = [line for line in out.splitlines() if "a slow step, not a hang" in line]
+    assert len(said) == 1 and "rank 1 on node1 computing its step" in said[0], out
+    assert "stalled" not in out and "culprit" not in out, out
+    assert "done: step 9" in (shared / "runs" / "slowstep" / "launch" / "node-0" / "log").read_text()
+    assert (shared / "runs" / "slowstep" / "checkpoints" / "step-9").is_dir()

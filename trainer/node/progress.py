@@ -13,14 +13,20 @@ The record also says how long steps take and what the rank does between them, fo
 adapts to the job (issue 39): `slowest_step_s`, the longest step of this run after its first (the
 first holds the warm-up: a compile, the first allocation), and `phase`, `train` or an announced
 pause (`eval`, `checkpoint`) with `phase_since`, so an evaluation or a save on a slow share is never
-taken for a hang.
+taken for a hang. And whether a step that lasts computes: where no step begins or ends for
+BUSY_SAMPLE_S, the writer samples the training thread's CPU clock and writes `busy_share`, the share
+of that time it spent on a CPU. A rank computing a legitimately slow step keeps it high; a rank that
+sleeps, waits in a gloo collective or is stopped does not (a stopped rank writes nothing at all). The
+launcher holds its adaptive bound while a rank computes (launcher/stall.py). `device` says whether the
+rank trains on a GPU, where a rank waiting for its GPU spins on the CPU and the share tells less.
 
 Without CLUSTERTRAIN_PROGRESS_DIR (a run by hand) nothing is written.
 
 Test hooks: TRAINER_TEST_STALL=RANK:STEP[:SECONDS] makes global rank RANK sleep SECONDS (default 3600)
 before it starts step STEP, as a rank stuck outside a collective would be; TRAINER_TEST_RAISE=RANK:STEP
 makes it raise a RuntimeError there instead, as a rank hitting a bug would (the launcher's root-cause
-report is tested with it).
+report is tested with it); TRAINER_TEST_COMPUTE=RANK:STEP:SECONDS makes it compute (a busy loop on its
+training thread) for SECONDS before it starts step STEP, as a legitimately slow step would.
 """
 
 from __future__ import annotations
@@ -41,15 +47,52 @@ from trainer.safe_files import umask_mode, write_file
 DIRECTORY_VARIABLE = "CLUSTERTRAIN_PROGRESS_DIR"
 STALL_VARIABLE = "TRAINER_TEST_STALL"
 RAISE_VARIABLE = "TRAINER_TEST_RAISE"
+COMPUTE_VARIABLE = "TRAINER_TEST_COMPUTE"
 #: Seconds between two writes of a rank's file at most.
 WRITE_INTERVAL_S = 1.0
+#: A step (or pause) longer than this gets its training thread's CPU share sampled and written, once
+#: every this many seconds (a run of short steps never pays for it).
+BUSY_SAMPLE_S = 5.0
+
+
+class ThreadClock:
+    """The share of wall time one thread spent on a CPU between two samples (its POSIX CPU clock)."""
+
+    def __init__(self) -> None:
+        self.ident: int | None = None
+        self._last: tuple[float, float] | None = None
+
+    def _now(self) -> tuple[float, float] | None:
+        if self.ident is None:
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self.ident)), time.monotonic()
+        except (OSError, AttributeError, OverflowError):  # the thread ended; a platform without it
+            return None
+
+    def restart(self) -> None:
+        """From now on (a step began or ended: the last sample's time is not this step's)."""
+        self._last = self._now()
+
+    def share(self) -> float | None:
+        """CPU seconds over wall seconds since the last sample (or restart); None without one."""
+        now, last = self._now(), self._last
+        self._last = now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        return max(0.0, (now[0] - last[0]) / (now[1] - last[1]))
 
 
 class Progress:
-    def __init__(self, directory: Path | None, rank: int, local_rank: int = 0) -> None:
+    def __init__(self, directory: Path | None, rank: int, local_rank: int = 0, device: str = "cpu") -> None:
         self.directory = directory
         self.rank = rank
         self.local_rank = local_rank
+        self.device = device
+        #: The training thread's CPU share over the last BUSY_SAMPLE_S of a step that lasts (None: no
+        #: sample since the last step began or ended).
+        self.busy_share: float | None = None
+        self._clock = ThreadClock()
         self.started_step: int | None = None
         self.done_step: int | None = None
         #: The longest step of this run after its first, in seconds (None before the second is done).
@@ -61,6 +104,7 @@ class Progress:
         self._steps_done = 0
         self._stall = _parse_stall(os.environ.get(STALL_VARIABLE, ""), rank)
         self._raise = _parse_stall(os.environ.get(RAISE_VARIABLE, ""), rank)
+        self._compute = _parse_stall(os.environ.get(COMPUTE_VARIABLE, ""), rank)
         self._wake = threading.Event()
         self._write_lock = threading.Lock()
         self._closed = False
@@ -79,12 +123,20 @@ class Progress:
         self._thread.start()
 
     @classmethod
-    def from_env(cls, rank: int, local_rank: int = 0) -> Progress:
+    def from_env(cls, rank: int, local_rank: int = 0, device: str = "cpu") -> Progress:
         raw = os.environ.get(DIRECTORY_VARIABLE, "")
-        return cls(Path(raw) if raw else None, rank, local_rank)
+        return cls(Path(raw) if raw else None, rank, local_rank, device)
 
     def started(self, step: int) -> None:
         """Called as the rank starts `step` (trainer.node.loop.Trainer.on_step_start)."""
+        self._clock.ident = threading.get_ident()  # the thread that trains: its CPU clock is sampled
+        if self._compute is not None and step == self._compute[0]:
+            print(
+                f"trainer: rank {self.rank} computes {self._compute[1]:g} s before step {step} "
+                f"({COMPUTE_VARIABLE})",
+                flush=True,
+            )
+            _busy_for(self._compute[1])
         if self._stall is not None and step == self._stall[0]:
             print(
                 f"trainer: rank {self.rank} sleeps {self._stall[1]:g} s before step {step} "
@@ -131,6 +183,8 @@ class Progress:
             "slowest_step_s": None if self.slowest_step_s is None else round(self.slowest_step_s, 3),
             "phase": self.phase,
             "phase_since": self.phase_since,
+            "busy_share": None if self.busy_share is None else round(self.busy_share, 3),
+            "device": self.device,
             "time": time.time(),
             "stack_signal": "SIGUSR1" if self._stack_file is not None else None,
             "stack_file": str(self.directory / f"stack-{self.rank}.txt") if self._stack_file else None,
@@ -150,10 +204,17 @@ class Progress:
     def _writer(self) -> None:
         written: tuple = ()
         while not self._closed:
-            self._wake.wait(timeout=5.0)
+            woken = self._wake.wait(timeout=BUSY_SAMPLE_S)
             self._wake.clear()
             if (self.started_step, self.done_step, self.phase) != written:
                 written = (self.started_step, self.done_step, self.phase)
+                self.busy_share = None
+                self._clock.restart()
+                self._write()
+            elif not woken and not self._closed:
+                # Nothing began or ended for BUSY_SAMPLE_S: whether the training thread computes. Written
+                # every time, so the launcher sees the sample is fresh (a stopped rank writes none).
+                self.busy_share = self._clock.share()
                 self._write()
             time.sleep(WRITE_INTERVAL_S)
 
@@ -171,8 +232,15 @@ class Progress:
                 self._stack_file.close()
 
 
+def _busy_for(seconds: float) -> None:
+    """TRAINER_TEST_COMPUTE: keep this thread on the CPU for `seconds` of wall time."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(i * i for i in range(20_000))
+
+
 def _parse_stall(value: str, rank: int) -> tuple[int, float] | None:
-    """TRAINER_TEST_STALL for this rank: (step, seconds), or None."""
+    """TRAINER_TEST_STALL (and _RAISE, _COMPUTE) for this rank: (step, seconds), or None."""
     parts = value.split(":") if value else []
     try:
         if len(parts) >= 2 and int(parts[0]) == rank:

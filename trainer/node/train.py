@@ -334,7 +334,7 @@ def train(
         say=reporter.info,
     )
     # The step each rank is in, for the launcher's stall watchdog (nothing outside `trainer launch`).
-    progress = Progress.from_env(topology.rank, topology.local_rank)
+    progress = Progress.from_env(topology.rank, topology.local_rank, topology.device)
     trainer = None
     try:
         for line in [*notes, *resume_notes]:

@@ -43,3 +43,29 @@ def test_the_slowest_step_leaves_out_the_first(tmp_path):
     assert record["done"] == 4
     # Step 1 (0.6 s, the warm-up) does not count; step 3 (0.25 s) is the slowest of the others.
     assert 0.25 <= record["slowest_step_s"] < 0.6, record
+
+
+def test_a_step_that_lasts_says_whether_its_thread_computes_or_sleeps(tmp_path, monkeypatch):
+    from trainer.node import progress as progress_module
+
+    monkeypatch.setattr(progress_module, "BUSY_SAMPLE_S", 0.4)
+    monkeypatch.setattr(progress_module, "WRITE_INTERVAL_S", 0.05)
+    progress = Progress(tmp_path, rank=1, device="cpu")
+    try:
+        progress.started(1)
+        assert read(tmp_path, rank=1)["busy_share"] is None  # a step just begun: no sample yet
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:  # the training thread computes a step that lasts
+            sum(i * i for i in range(10_000))
+        computing = read(tmp_path, rank=1)
+        time.sleep(2.0)  # it sleeps, as a rank outside its collective or waiting in gloo's does
+        sleeping = read(tmp_path, rank=1)
+        progress.step_done(SimpleNamespace(step=1))
+        progress.started(2)
+        time.sleep(0.2)
+        next_step = read(tmp_path, rank=1)
+    finally:
+        progress.close()
+    assert computing["busy_share"] >= 0.2 and computing["device"] == "cpu", computing
+    assert sleeping["busy_share"] < 0.05 and sleeping["time"] > computing["time"], sleeping
+    assert next_step["started"] == 2 and next_step["busy_share"] is None, next_step

@@ -32,7 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainer.controller.launcher.rank_output import RankOutput
-from trainer.controller.launcher.stall import stall_bound
+from trainer.controller.launcher.stall import COMPUTING_FRESH_S, busy, stall_bound
 from trainer.controller.launcher.world import WorldCheck
 from trainer.exitcodes import STOPPED_AT_CHECKPOINT
 from trainer.peer_loss import is_peer_loss
@@ -439,6 +439,11 @@ class JobMonitor:
         #: The longest wait between two progress changes seen so far (a checkpoint write, an eval).
         self.longest_progress_gap_s = 0.0
         self._progress_key: tuple = ()
+        #: (host, rank) -> (its record's `time`, when a busy sample of it arrived, by this clock): the
+        #: ranks computing a step that lasts (stall.computing_text).
+        self._busy_at: dict[tuple[str, int], tuple[Any, float]] = {}
+        #: The progress at which the launcher said a slow step was being computed (once per step).
+        self._said_computing: tuple | None = None
         #: (host, kind, record) of each malformed record already noted (_well_formed).
         self._ignored: set[tuple[str, str, str]] = set()
         # The bundled trainer's watchdog starts with its first rank's progress record (written once
@@ -496,6 +501,7 @@ class JobMonitor:
         for record in report.get("progress") or []:
             if isinstance(record, dict) and _integer(record.get("rank", 0)) is not None:
                 hs.progress[record.get("rank", 0)] = record
+                self._note_busy(hs.host, record)
         if isinstance(report.get("proc_states"), list):
             hs.proc_states = report["proc_states"]
         if self.world is not None:
@@ -619,12 +625,35 @@ class JobMonitor:
                 self.stall = replace(self._stall(silent), bound=why)
                 self.stalled_at = now
                 self._note_failure()
+            elif self._said_computing != self._progress_key and silent > self.stall_bound(computing=False)[0]:
+                # Past the steps' bound, held by a rank computing: said once a step, so a slow step
+                # shows as one rather than as nothing (or, after the ceiling, as a hang).
+                self._said_computing = self._progress_key
+                self.view.message(f"no rank advanced for {silent:.0f} s: {why}; a slow step, not a hang")
 
-    def stall_bound(self) -> tuple[float, str]:
+    def stall_bound(self, computing: bool = True) -> tuple[float, str]:
         """(seconds without progress that make a stall now, what that rests on): stall.stall_bound over
-        every rank's last progress record."""
+        every rank's last progress record and (`computing`) the ranks computing now."""
         records = [r for hs in self.hosts.values() for r in hs.progress.values()]
-        return stall_bound(records, float(self.stall_timeout_s or 0), self.stall_adaptive)
+        ranks = self.computing_ranks() if computing else []
+        return stall_bound(records, float(self.stall_timeout_s or 0), self.stall_adaptive, ranks)
+
+    def _note_busy(self, host: str, record: dict[str, Any]) -> None:
+        """A rank's record: a new busy sample (its `time` changed) makes the rank computing from now."""
+        key = (host, int(record.get("rank", 0)))
+        if key in self._busy_at and self._busy_at[key][0] == record.get("time"):
+            return  # the same record read again
+        if busy(record):
+            self._busy_at[key] = (record.get("time"), time.monotonic())
+        else:
+            self._busy_at.pop(key, None)
+
+    def computing_ranks(self) -> list[str]:
+        """`rank 1 on node1`, ...: the ranks whose last busy sample is fresh (stall.COMPUTING_FRESH_S)."""
+        now = time.monotonic()
+        fresh = [key for key, (_, at) in self._busy_at.items() if now - at <= COMPUTING_FRESH_S]
+        fresh.sort(key=lambda key: (self.hosts[key[0]].node_rank if key[0] in self.hosts else 0, key[1]))
+        return [f"rank {rank} on {host}" for host, rank in fresh]
 
     def tick(self) -> None:
         self.check_time()
