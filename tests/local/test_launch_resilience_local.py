@@ -164,7 +164,8 @@ def test_a_node_silent_past_the_grace_stops_every_node_and_is_named(loopback, tm
 def test_a_rank_stuck_before_a_collective_stops_every_node_naming_the_rank_and_its_stack(loopback, tmp_path):
     """No --stall-timeout: the bound adapts to the job (4 × its slowest step, at least 60 s), where it was
     a fixed 600 s. A checkpoint save that takes 75 s on rank 0 (announced, so given the ceiling) is
-    not called a hang; rank 1 then stuck before step 5 is, about a minute later, and named."""
+    not called a hang; rank 1 then stuck before step 5 is, about a minute later, and named: behind its
+    peer by its progress record, sleeping, its stack shown (exit 71, hung)."""
     inventory, shared = loopback
     started = time.monotonic()
     done = subprocess.run(
@@ -188,7 +189,10 @@ def test_a_rank_stuck_before_a_collective_stops_every_node_naming_the_rank_and_i
         env=run_env(tmp_path),
     )
     out = done.stdout + done.stderr
-    assert done.returncode == 1, out
+    # Rank 1 behind its peer (in step 4 while rank 0 is in step 5): the culprit, with its state.
+    assert done.returncode == exitcodes.HUNG, out
+    assert "culprit: behind its peers: in step 4 while they are in step 5 — sleeping — state S" in out, out
+    assert "(rank 1 on node1 (node 1), exit code 71)" in out, out
     assert "stalled: no rank advanced for" in out, out
     assert "behind: rank 1 on node1 (node 1) in step 4" in out, out
     assert "(bound: 4 × the slowest step" in out, out
@@ -200,7 +204,7 @@ def test_a_rank_stuck_before_a_collective_stops_every_node_naming_the_rank_and_i
     for rank in (0, 1):
         assert trainer_pids(run / "launch" / f"node-{rank}") == []
     stopped = history(run)[-1]
-    assert stopped["why"] == "stall" and stopped["hosts"] == ["node1"]
+    assert stopped["why"] == "hung" and stopped["hosts"] == ["node1"]
     kept = json.loads(next((run / "launch" / "node-1").glob("stacks-*.json")).read_text())
     assert stuck_frame in kept["1"], "the stack is kept next to node1's log"
 

@@ -163,8 +163,9 @@ def test_a_stuck_rank_stops_every_node_within_the_stall_timeout_and_is_named(clu
         ],
         timeout=1200,
     )
-    assert rc == 1, out
-    assert "behind: rank 1 on n01 (node 1) in step 3" in out, out
+    assert rc == exitcodes.HUNG, out
+    assert "culprit: behind its peers: in step 3 while they are in step 4 — sleeping — state S" in out, out
+    assert "(rank 1 on n01 (node 1), exit code 71)" in out, out
     # py-spy's dump (in the node environment): the stuck rank's own frame, where it sleeps.
     assert "stack of rank 1 on n01:" in out and "Progress.started (trainer/node/progress.py:" in out, out
     no_trainer_left(cluster)

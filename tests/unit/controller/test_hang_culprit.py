@@ -249,6 +249,55 @@ def test_a_stall_without_a_stopped_or_blocked_rank_stays_a_stall_and_shows_each_
     assert "process state: rank 1 on w1 (node 1): sleeping — state S, in hrtimer_nanosleep" in shown, shown
 
 
+def bundled_stalled_monitor(view: LiveView, steps: dict[str, tuple[int, int]]) -> JobMonitor:
+    """The bundled trainer on two nodes (one rank each), each rank's progress record saying (started,
+    done), with --stall-timeout 5, silent past it."""
+    monitor = JobMonitor(
+        {"head": 0, "w1": 1}, "head", view, stall_timeout_s=5, ranks={"head": range(0, 1), "w1": range(1, 2)}
+    )
+    for rank, host in enumerate(("head", "w1")):
+        started, done = steps[host]
+        record = {"rank": rank, "started": started, "done": done, "phase": "train", "time": 1.0}
+        monitor.on_message(
+            {"host": host, "type": "report", "report": {"state": "running", "progress": [record]}}
+        )
+    monitor.last_progress_at -= 60
+    monitor.check_time()
+    assert monitor.stall is not None
+    return monitor
+
+
+def test_the_bundled_trainers_rank_behind_its_peers_is_the_cause_with_its_state(tmp_path, processes):
+    """Rank 1 still in step 5 (it sleeps outside the collective) while rank 0 is in step 6 and waits in
+    its collective: both sleep, so no state tells; the progress records name rank 1, with its state."""
+    processes += [sleeping_rank(0, 0), sleeping_rank(1, 1)]
+    out = io.StringIO()
+    with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
+        monitor = bundled_stalled_monitor(view, {"head": (6, 5), "w1": (5, 5)})
+        stop_reports(monitor, tmp_path)
+        diagnosis = diagnose(monitor, bundled=True)
+        assert diagnosis is not None
+        render(diagnosis, monitor, view, stall_timeout_s=5)
+    shown = out.getvalue()
+    cause = diagnosis.cause
+    assert (cause.kind, cause.host, cause.rank, diagnosis.code) == ("hung", "w1", 1, exitcodes.HUNG), shown
+    assert cause.message.startswith(
+        "behind its peers: in step 5 while they are in step 6 — sleeping — state S"
+    )
+    assert not cause.node_at_fault  # the job, not the node: a restart, not a node left out
+    assert "then: rank 0 on head (node 0): waiting in its collective (sleeping — state S" in shown, shown
+
+
+def test_a_bundled_stall_with_every_rank_in_one_step_stays_a_stall(tmp_path, processes):
+    processes += [sleeping_rank(0, 0), sleeping_rank(1, 1)]
+    out = io.StringIO()
+    with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
+        monitor = bundled_stalled_monitor(view, {"head": (6, 5), "w1": (6, 5)})
+        stop_reports(monitor, tmp_path)
+        diagnosis = diagnose(monitor, bundled=True)
+    assert diagnosis is not None and diagnosis.cause.kind == "stall", diagnosis
+
+
 def test_a_rank_gone_while_its_peers_wait_is_the_cause_only_where_ranks_are_numbered_as_planned():
     waiting = {"pid": 10, "ppid": 1, "state": "S", "rank": 0, "wchan": "futex_wait_queue"}
     hang = find_hang(

@@ -32,7 +32,16 @@ from typing import Any
 from rich.markup import escape
 
 from trainer import exitcodes
-from trainer.controller.launcher.hang import Hang, Partition, find_hang, find_partition, state_lines
+from trainer.controller.launcher.hang import (
+    Hang,
+    Partition,
+    RankState,
+    behind_hang,
+    find_hang,
+    find_partition,
+    rank_states,
+    state_lines,
+)
 from trainer.controller.launcher.live import (
     HostState,
     JobMonitor,
@@ -402,6 +411,22 @@ def stall_hang(monitor: JobMonitor) -> Hang | None:
     )
 
 
+def _states(monitor: JobMonitor) -> list[RankState]:
+    return rank_states(
+        {hs.host: hs.proc_states for hs in monitor.hosts.values()},
+        {hs.host: hs.node_rank for hs in monitor.hosts.values()},
+        monitor.ranks,
+    )
+
+
+def bundled_stall(monitor: JobMonitor) -> bool:
+    """A stall of the bundled trainer, whose ranks' progress records say which is behind, with every
+    node's process states read (the rank behind is named with its state, never on the records alone)."""
+    return monitor.progress_from_steps and all(
+        hs.proc_states is not None for hs in monitor.hosts.values() if not hs.final
+    )
+
+
 def _stall_events(monitor: JobMonitor, now: float) -> list[Event]:
     """A stall as events: a hung rank (the cause) and its peers waiting (consequences), where the
     kernel names one; else the stall itself, at the first rank behind."""
@@ -411,6 +436,8 @@ def _stall_events(monitor: JobMonitor, now: float) -> list[Event]:
     partition = find_partition({hs.host: hs.reach for hs in monitor.hosts.values()}) if hang is None else None
     if partition is not None:
         return _partition_events(monitor, partition, at, stall.summary)
+    if hang is None and bundled_stall(monitor):
+        hang = behind_hang(_states(monitor), stall.behind, stall.leading_step)
     if hang is None:
         behind = stall.behind[0] if stall.behind else (monitor.rank0_host, None, None)
         host = monitor.hosts[behind[0]]

@@ -14,7 +14,10 @@ in this order:
   node_ctl.add_stacks reads them with py-spy): some ranks' stacks are in a torch.distributed
   collective (all_reduce, barrier, ...) and this one's is not (it sleeps, loads, computes elsewhere);
 - a rank in another collective than most of its peers (all_gather where they all_reduce, or the same
-  call from another line): every rank waits, each for a partner that never comes.
+  call from another line): every rank waits, each for a partner that never comes;
+- the bundled trainer's rank behind its peers by its progress record (behind_hang: still in step k, or
+  before it, while they are in step k+1 and wait in its collective), where nothing above told and no
+  node is cut off from its peers: it sleeps (or computes) outside the collective they wait in.
 The first (by that order, then node and rank) is the cause; every other rank is its consequence,
 waiting in its collective (or also stopped, blocked, gone or outside). Where no rank is in such a
 state and no stack tells (a rank sleeping outside a collective sleeps as its waiting peers do), there
@@ -253,6 +256,10 @@ class Hang:
     `diverged`, is another)."""
     diverged: bool = False
     """The culprit waits in a collective too, but another one than most of its peers."""
+    behind: Mapping[tuple[str, int | None], int | None] | None = None
+    """Named by the progress records (behind_hang): each rank behind, (host, rank) -> the step its record
+    says it is in (None: none reported); with `leading`, the step its peers are in."""
+    leading: int | None = None
 
     @property
     def node_at_fault(self) -> bool:
@@ -268,6 +275,10 @@ class Hang:
                 f"in another collective than its peers: {culprit.collective}, while they wait in "
                 f"{self.waited_in} — {culprit.what}"
             )
+        if self.behind is not None:
+            at = f": at {culprit.top_frames}" if culprit.frames else ""
+            where = f"{self._step_text(culprit)} while they are in step {self.leading}"
+            return f"behind its peers: {where}{at} — {culprit.what}"
         if self.waited_in and not culprit.telling:
             return (
                 f"not in the collective its peers wait in ({self.waited_in.split(',')[0]}): at "
@@ -275,8 +286,14 @@ class Hang:
             )
         return culprit.what if culprit.rank is not None else f"{culprit.label}: {culprit.what}"
 
+    def _step_text(self, state: RankState) -> str:
+        step = (self.behind or {}).get((state.host, state.rank))
+        return f"in step {step}" if step is not None else "in no step yet"
+
     def consequence_text(self, other: RankState) -> str:
-        if other.telling:
+        if self.behind is not None and (other.host, other.rank) in self.behind:
+            text = f"also behind, {self._step_text(other)} ({other.what})"
+        elif other.telling:
             text = f"also {other.what}"
         elif other.collective:
             text = f"waiting in {other.collective} ({other.what})"
@@ -364,6 +381,26 @@ def diverged_hang(states: list[RankState], waiting: list[RankState]) -> Hang | N
         return None
     culprit = next(s for s in waiting if s.collective != meant)
     return Hang(culprit, [s for s in states if s is not culprit], waited_in=meant, diverged=True)
+
+
+def behind_hang(
+    states: list[RankState], behind: Iterable[tuple[str, int | None, int | None]], leading: int | None
+) -> Hang | None:
+    """The bundled trainer's stall where no state, stack or partition told: the first rank its progress
+    record shows behind the step its peers are in (`behind`: (host, rank, its step), the stall's, in
+    node and rank order; `leading`: their step). Its peers wait in that step's collective for it; it is
+    the one not where the others are. None where no rank is behind (every rank in the same step: a
+    collective that never ends, say) or the ranks behind are whole nodes that reported no state."""
+    behind = [(host, rank, step) for host, rank, step in behind if rank is not None]
+    if leading is None or not behind:
+        return None
+    by_rank = {(s.host, s.rank): s for s in states}
+    host, rank, _ = behind[0]
+    culprit = by_rank.get((host, rank))
+    if culprit is None:
+        return None
+    steps = {(h, r): step for h, r, step in behind}
+    return Hang(culprit, [s for s in states if s is not culprit], behind=steps, leading=leading)
 
 
 def state_lines(reports: Mapping[str, list[Any] | None], node_ranks: Mapping[str, int]) -> list[str]:
