@@ -29,6 +29,7 @@ from trainer import exitcodes
 STALL_S = 20
 HANG_SCRIPT = Path(__file__).resolve().parents[1] / "data" / "hang_user" / "allreduce_loop.py"
 DIVERGED_SCRIPT = HANG_SCRIPT.with_name("diverged_loop.py")
+QUIET_SCRIPT = HANG_SCRIPT.with_name("quiet_loop.py")
 
 
 @pytest.fixture
@@ -153,11 +154,18 @@ def test_a_command_blocked_on_a_hung_mount_names_the_node_and_the_file(loopback,
         assert launch_processes(shared / "runs" / "dstate" / "launch" / f"node-{node}") == []
 
 
-def user_hang(tmp_path: Path, script: Path, run_name: str, **settings) -> tuple[list[str], dict]:
-    """`trainer launch --stall-timeout 20 -- torchrun SCRIPT` on two loopback nodes (`settings` over
-    the inventory's), to its end: the launcher's lines and its last `stopped` record. It must have
-    exited HUNG (71), named a culprit within 60 s of the hang's start (the time the script wrote into
-    HANG_MARK), and left no process of the launch on either node."""
+def user_hang(
+    tmp_path: Path,
+    script: Path,
+    run_name: str,
+    stall: tuple[str, ...] = ("--stall-timeout", str(STALL_S)),
+    named_within: float = 60,
+    **settings,
+) -> tuple[list[str], dict]:
+    """`trainer launch --stall-timeout 20 -- torchrun SCRIPT` (`stall`: those options) on two loopback
+    nodes (`settings` over the inventory's), to its end: the launcher's lines and its last `stopped`
+    record. It must have exited HUNG (71), named a culprit within `named_within` seconds of the hang's
+    start (the time the script wrote into HANG_MARK), and left no process of the launch on either node."""
     if shutil.which("py-spy", path=str(VENV / "bin")) is None:
         pytest.fail("py-spy is not in the test venv: make install-train installs the train extra with it")
     workdir = tmp_path / "code"
@@ -166,7 +174,7 @@ def user_hang(tmp_path: Path, script: Path, run_name: str, **settings) -> tuple[
     mark = workdir / "hang-mark"
     inventory, shared = write_inventory(tmp_path, training_workdir=str(workdir), **settings)
     command = [
-        *launch_command(inventory, "--run-name", run_name, "--stall-timeout", str(STALL_S)),
+        *launch_command(inventory, "--run-name", run_name, *stall),
         *("--env", f"HANG_MARK={mark}", "--", "torchrun", script.name),
     ]
     started = time.monotonic()
@@ -189,8 +197,8 @@ def user_hang(tmp_path: Path, script: Path, run_name: str, **settings) -> tuple[
     assert launcher.returncode == exitcodes.HUNG, out
     assert named_at is not None, out
     named_after = named_at - float(mark.read_text())
-    print(f"hang's start to the culprit named: {named_after:.1f} s (--stall-timeout {STALL_S})")
-    assert named_after < 60, f"named {named_after:.0f} s after the hang began: {out}"
+    print(f"hang's start to the culprit named: {named_after:.1f} s ({' '.join(stall) or 'no bound given'})")
+    assert named_after < named_within, f"named {named_after:.0f} s after the hang began: {out}"
     run = shared / "runs" / run_name
     for node in (0, 1):
         assert launch_processes(run / "launch" / f"node-{node}") == []
@@ -264,3 +272,31 @@ def test_a_step_computed_for_90_s_with_checkpoint_saves_is_not_called_a_hang(loo
     assert "stalled" not in out and "culprit" not in out, out
     assert "done: step 9" in (shared / "runs" / "slowstep" / "launch" / "node-0" / "log").read_text()
     assert (shared / "runs" / "slowstep" / "checkpoints" / "step-9").is_dir()
+
+
+def test_a_user_commands_quiet_is_checked_with_no_bound_given_its_own_wait_is_not_named_and_a_hang_is(
+    tmp_path,
+):
+    """`trainer launch -- torchrun quiet_loop.py` on two loopback nodes with the default watchdog (no
+    --stall-timeout): at step 5 both ranks sleep 70 s on purpose, printing nothing and using no CPU.
+    After a minute of quiet the launcher reads each rank's state and stack, finds no culprit (no rank
+    waits in a collective for another) and follows on; the steps go on. At step 15 rank 1 sleeps for
+    good outside the collective rank 0 waits in: a minute later it is named by its stack, every
+    process is stopped, exit 71."""
+    lines, stop = user_hang(tmp_path, QUIET_SCRIPT, "quiet", stall=(), named_within=120)
+    out = "".join(lines)
+    quiet = [
+        i for i, line in enumerate(lines) if line.startswith("quiet: no node printed a line and no rank")
+    ]
+    dismissed = [i for i, line in enumerate(lines) if line.startswith("no culprit: ")]
+    assert len(quiet) == 2 and len(dismissed) == 1 and quiet[0] < dismissed[0] < quiet[1], out
+    assert any(line.startswith("rank 0 step 6:") for line in lines[dismissed[0] :]), (
+        "followed on after the wait"
+    )
+    sleep_frame = "main (quiet_loop.py:26: time.sleep(3600))"
+    culprit = next(line for line in lines if line.startswith("culprit: "))
+    assert culprit.startswith(
+        f"culprit: not in the collective its peers wait in (all_reduce): at {sleep_frame}"
+    )
+    assert "(rank 1 on node1 (node 1), exit code 71)" in culprit, culprit
+    assert (stop["why"], stop["cause"]["host"], stop["cause"]["rank"]) == ("hung", "node1", 1), stop

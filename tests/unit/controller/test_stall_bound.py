@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from trainer.controller.launcher.launch_cli import BUNDLED_STALL_TIMEOUT_S, watch_options
+from trainer.controller.launcher.launch_cli import STALL_CEILING_S, watch_options
 from trainer.controller.launcher.launch_record import LaunchRecord
 from trainer.controller.launcher.stall import STALL_FLOOR_S, stall_bound
 
@@ -127,13 +127,15 @@ def parsed(*argv):
     return parser.parse_args(argv)
 
 
-def test_the_bundled_trainer_adapts_unless_a_bound_is_given_and_a_users_command_has_none():
+def test_the_watchdog_adapts_unless_a_bound_is_given_or_it_is_turned_off():
     bundled = watch_options(parsed(), bundled=True)
-    assert bundled.stall_adaptive and bundled.stall_timeout_s == BUNDLED_STALL_TIMEOUT_S
+    assert bundled.stall_adaptive and bundled.stall_timeout_s == STALL_CEILING_S
     given = watch_options(parsed("--stall-timeout", "90"), bundled=True)
     assert not given.stall_adaptive and given.stall_timeout_s == 90
-    own = watch_options(parsed(), bundled=False)
-    assert not own.stall_adaptive and own.stall_timeout_s is None
+    own = watch_options(parsed(), bundled=False)  # a user's command: its quiet, under the same ceiling
+    assert own.stall_adaptive and own.stall_timeout_s == STALL_CEILING_S
+    off = watch_options(parsed("--stall-timeout", "0"), bundled=False)
+    assert not off.stall_adaptive and off.stall_timeout_s is None
     # `trainer attach` keeps what the launch it follows was given.
     saved = LaunchRecord.from_json({"command": [], "stall_timeout_s": 90.0, "stall_adaptive": False}).watch
     assert not watch_options(parsed(), bundled=True, saved=saved).stall_adaptive

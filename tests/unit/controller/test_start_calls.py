@@ -42,6 +42,7 @@ def _extravars(lock_in_probe: bool) -> dict:
         "launch_quiet_s": 10.0,
         "launch_status_timeout_s": 20.0,
         "launch_give_up_s": 330.0,
+        "launch_bundled_trainer": True,
     }
 
 
@@ -80,7 +81,7 @@ def test_each_node_gets_its_own_script_secrets_and_dir_with_the_launch_s_setting
             "quiet_s": 10.0,
             "timeout_s": 20.0,
             "give_up_s": 330.0,
-            "request": {"node_dir": node["node_dir"], "offset": 0, "quiet": rank != 0},
+            "request": {"node_dir": node["node_dir"], "offset": 0, "quiet": rank != 0, "activity": False},
         }
         assert f"secret-{rank}" not in str(probe), "the probe is never given the secrets"
 

@@ -29,6 +29,13 @@ class GrowWatch(Protocol):
     def due(self, monitor: JobMonitor) -> bool: ...
 
 
+class QuietCheck(Protocol):
+    """hang_check.HangCheck as the attempt sees it: on each tick, a quiet user's command checked for a
+    culprit while it runs (the monitor's suspect confirmed as a stall, or dismissed)."""
+
+    def on_tick(self, monitor: JobMonitor) -> None: ...
+
+
 def start_word(probes: list[dict[str, Any]]) -> dict[str, Any]:
     """The launcher's word to every probed node once all have passed (launch_node's `launch`): start,
     with NCCL's transport for the whole job: InfiniBand/RoCE only if every node has devices."""
@@ -112,6 +119,8 @@ class FollowEvents:
         self.grow = grow
         #: The attempt ends to grow back: rank 0 announced a complete checkpoint after a node came back.
         self.growing = False
+        #: A user's command gone quiet, checked for a culprit while it runs (hang_check.py).
+        self.quiet_check: QuietCheck | None = None
         #: Set to end the playbook (runner.py's cancel).
         self.cancel = threading.Event()
         #: The holders of the run's lock that refused it to this launcher.
@@ -136,6 +145,8 @@ class FollowEvents:
 
     def on_tick(self) -> None:
         self.monitor.tick()
+        if self.quiet_check is not None:
+            self.quiet_check.on_tick(self.monitor)
         self._end_if_due()
 
     def must_end(self) -> bool:

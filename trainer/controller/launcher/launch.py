@@ -47,6 +47,7 @@ from trainer.controller.launcher.attempt_events import (
     StepFailure,
 )
 from trainer.controller.launcher.failure import Diagnosis, Outcome, diagnose, render
+from trainer.controller.launcher.hang_check import HangCheck
 from trainer.controller.launcher.launch_record import LaunchRecord, RestartState
 from trainer.controller.launcher.launchfiles import launch_files
 from trainer.controller.launcher.live import JobMonitor, LiveView, Stall, node_text
@@ -391,6 +392,7 @@ class Launcher:
         """Run the attempt's playbook with `events` handling what it says, then conclude: an ending
         that needs no stop of this launcher's (_settled), else the stop and the diagnosis."""
         monitor = events.monitor
+        events.quiet_check = self._quiet_check(monitor, view)
         with view:
             try:
                 result: PlaybookResult | None = self._run(
@@ -516,21 +518,25 @@ class Launcher:
         view.states(monitor.ordered)
         return skipped, stopped
 
+    def _read_states(self, lost: set[str]) -> PlaybookResult:
+        """states.yml on every node but `lost`: its ranks' process states (a user's command: with their
+        Python stacks) and its connects to its peers on the master port."""
+        nodes = self.plan.topology.nodes
+        peers = {n.host: [[p.host, p.address] for p in nodes if p.host != n.host] for n in nodes}
+        return self._run("states.yml", self.extravars(launch_peers=peers), skip=lost)
+
+    def _quiet_check(self, monitor: JobMonitor, view: LiveView) -> HangCheck | None:
+        """A user's command followed with the adaptive bound: its quiet spells checked for a culprit."""
+        adaptive = self.options.stall_adaptive and self.options.stall_timeout_s
+        if self.plan.runs_bundled_trainer or not adaptive:
+            return None
+        return HangCheck(lambda: self._read_states(set()), lambda result: apply_states(monitor, result), view)
+
     def _stall_culprit(self, monitor: JobMonitor, view: LiveView, lost: set[str]) -> Diagnosis | None:
         """At a stall, before the stop: every node's ranks' process states (states.yml, /proc only),
         so the culprit is named before the stacks and the TERM (seconds sooner: bench/hangs.py) and the
         stop's history record names it (kind `hung`, host, rank) instead of `stall`. The diagnosis."""
-        nodes = self.plan.topology.nodes
-        peers = {n.host: [[p.host, p.address] for p in nodes if p.host != n.host] for n in nodes}
-        result = self._run("states.yml", self.extravars(launch_peers=peers), skip=lost)
-        for host, items in result.ok.items():
-            for item in items:
-                if item.task != STATES_TASK or host not in monitor.hosts:
-                    continue
-                if isinstance(states := item.result.get("proc_states"), list):
-                    monitor.hosts[host].proc_states = states
-                if isinstance(reach := item.result.get("reach"), dict):
-                    monitor.hosts[host].reach = reach
+        apply_states(monitor, self._read_states(lost))
         early = diagnose(monitor, bundled=self.plan.runs_bundled_trainer)
         then = (
             "collecting stacks, then stopping every host"
@@ -720,3 +726,15 @@ class Launcher:
             },
             self.env,
         )
+
+
+def apply_states(monitor: JobMonitor, result: PlaybookResult) -> None:
+    """states.yml's answers into the monitor: each node's ranks' process states and reach of its peers."""
+    for host, items in result.ok.items():
+        for item in items:
+            if item.task != STATES_TASK or host not in monitor.hosts:
+                continue
+            if isinstance(states := item.result.get("proc_states"), list):
+                monitor.hosts[host].proc_states = states
+            if isinstance(reach := item.result.get("reach"), dict):
+                monitor.hosts[host].reach = reach

@@ -38,9 +38,9 @@ from trainer.controller.launcher.slurm_requeue import requeue_after_save
 from trainer.controller.launcher.stall import STALL_FLOOR_S, STALL_STEP_FACTOR
 from trainer.controller.launcher.stop import stop_run
 from trainer.controller.launcher.wire import (
-    BUNDLED_STALL_TIMEOUT_S,
     LAUNCH_VARS,
     PLAYBOOKS,
+    STALL_CEILING_S,
     START_SKIP_TAG,
     WatchOptions,
     launch_env,
@@ -218,8 +218,10 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
         "(your command) for S seconds, naming the ranks behind, or by its process state a rank stopped, "
         "blocked in the kernel or gone while its peers wait (exit 71) (default for the bundled trainer: "
         f"{STALL_STEP_FACTOR:g} × its slowest step, at least {STALL_FLOOR_S:g} s; "
-        f"{BUNDLED_STALL_TIMEOUT_S:g} s before its steps' times are known and during an evaluation or "
-        "a checkpoint save; off for your command; 0: off)",
+        f"{STALL_CEILING_S:g} s before its steps' times are known, during an evaluation or "
+        "a checkpoint save, and while a rank computes a long step; for your command: no line and no rank "
+        f"using CPU or I/O for {STALL_FLOOR_S:g} s stops it only with a culprit named, "
+        f"{STALL_CEILING_S:g} s in any case; 0: off)",
     )
     parser.add_argument(
         "--stop-grace",

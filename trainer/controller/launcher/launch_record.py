@@ -199,6 +199,8 @@ def _watch(raw: dict[str, Any], bundled: bool) -> WatchOptions:
             saved[key] = None  # a user's command launched without a stall watchdog
         elif (number := _number(value)) is not None:
             saved[key] = number
+    if "stall_timeout_s" in saved and saved["stall_timeout_s"] is None:
+        saved["stall_adaptive"] = False  # no watchdog: nothing to adapt
     return WatchOptions(**{key: saved.get(key, getattr(defaults, key)) for key in WATCH_KEYS})
 
 

@@ -32,7 +32,13 @@ from rich.table import Table
 from rich.text import Text
 
 from trainer.controller.launcher.rank_output import RankOutput
-from trainer.controller.launcher.stall import COMPUTING_FRESH_S, busy, stall_bound
+from trainer.controller.launcher.stall import (
+    COMPUTING_FRESH_S,
+    STALL_FLOOR_S,
+    busy,
+    stall_bound,
+    used_time_or_io,
+)
 from trainer.controller.launcher.world import WorldCheck
 from trainer.exitcodes import STOPPED_AT_CHECKPOINT
 from trainer.peer_loss import is_peer_loss
@@ -415,9 +421,9 @@ class JobMonitor:
         self.view = view
         self.unreachable_grace_s = unreachable_grace_s
         self.stall_timeout_s = stall_timeout_s
-        #: The bundled trainer without --stall-timeout: stall_timeout_s is the ceiling of a bound that
-        #: adapts to the steps' times (stall.stall_bound).
-        self.stall_adaptive = stall_adaptive and progress_from_steps
+        #: Without --stall-timeout, stall_timeout_s is the ceiling of a bound that adapts: for the bundled
+        #: trainer to its steps' times (stall.stall_bound); for a user's command to its quiet (below).
+        self.stall_adaptive = stall_adaptive
         self.progress_from_steps = progress_from_steps
         self.ranks = ranks or {}
         #: A user's command on several nodes: whether every worker joined the head's job (world.py).
@@ -444,6 +450,15 @@ class JobMonitor:
         self._busy_at: dict[tuple[str, int], tuple[Any, float]] = {}
         #: The progress at which the launcher said a slow step was being computed (once per step).
         self._said_computing: tuple | None = None
+        #: A user's command, adaptive: no line and no rank using CPU or I/O (node_ctl's `activity`) for
+        #: a minute (quiet_bound) makes it a suspect, which the launcher checks
+        #: for a culprit while it runs (hang_check.py): a culprit confirms it as a stall, none dismisses
+        #: it. Only the ceiling's quiet is a stall without one.
+        self.suspect: Stall | None = None
+        self._suspected_for: float | None = None
+        #: Whether the nodes say what the ranks use (a watch whose node_ctl samples it): without it, a
+        #: quiet command cannot be told from a hung one, and nothing is judged.
+        self.activity_seen = False
         #: (host, kind, record) of each malformed record already noted (_well_formed).
         self._ignored: set[tuple[str, str, str]] = set()
         # The bundled trainer's watchdog starts with its first rank's progress record (written once
@@ -497,7 +512,11 @@ class JobMonitor:
         if lines:
             hs.last_output_at = time.monotonic()
             if not self.progress_from_steps:
-                self.last_progress_at = hs.last_output_at
+                self._command_progress(hs.last_output_at)
+        if not self.progress_from_steps and isinstance(used := report.get("activity"), dict):
+            self.activity_seen = True
+            if used_time_or_io(used):
+                self._command_progress(time.monotonic())
         for record in report.get("progress") or []:
             if isinstance(record, dict) and _integer(record.get("rank", 0)) is not None:
                 hs.progress[record.get("rank", 0)] = record
@@ -511,21 +530,7 @@ class JobMonitor:
         if report.get("rank_exits"):
             hs.rank_exits = self._well_formed(hs, report["rank_exits"], well_formed_exit, "exit record")
         if self.progress_from_steps:
-            # An announced pause beginning or ending is progress too: the bound changes with it.
-            key = tuple(
-                (h.host, rank, r.get("started"), r.get("done"), r.get("phase"))
-                for h in self.hosts.values()
-                for rank, r in sorted(h.progress.items())
-            )
-            if key != self._progress_key:
-                now = time.monotonic()
-                if self.watchdog_armed:
-                    self.longest_progress_gap_s = max(
-                        self.longest_progress_gap_s, now - self.last_progress_at
-                    )
-                self._progress_key = key
-                self.last_progress_at = now
-                self.watchdog_armed = bool(key)
+            self._step_progress()
         if hs.host == self.rank0_host:
             arrived = time.monotonic()
             for line in shown:
@@ -620,6 +625,9 @@ class JobMonitor:
             and not self.failed
             and not all(hs.final for hs in self.hosts.values())
         ):
+            if self.stall_adaptive and not self.progress_from_steps:
+                self._check_quiet_command(silent, now)
+                return
             bound, why = self.stall_bound()
             if silent > bound:
                 self.stall = replace(self._stall(silent), bound=why)
@@ -630,6 +638,71 @@ class JobMonitor:
                 # shows as one rather than as nothing (or, after the ceiling, as a hang).
                 self._said_computing = self._progress_key
                 self.view.message(f"no rank advanced for {silent:.0f} s: {why}; a slow step, not a hang")
+
+    def _step_progress(self) -> None:
+        """The bundled trainer: a rank began or ended a step. An announced pause beginning or ending is
+        progress too: the bound changes with it."""
+        key = tuple(
+            (h.host, rank, r.get("started"), r.get("done"), r.get("phase"))
+            for h in self.hosts.values()
+            for rank, r in sorted(h.progress.items())
+        )
+        if key != self._progress_key:
+            now = time.monotonic()
+            if self.watchdog_armed:
+                self.longest_progress_gap_s = max(self.longest_progress_gap_s, now - self.last_progress_at)
+            self._progress_key = key
+            self.last_progress_at = now
+            self.watchdog_armed = bool(key)
+
+    def _command_progress(self, now: float) -> None:
+        """A user's command printed a line, or one of its ranks used CPU or I/O: it is not quiet."""
+        self.last_progress_at = now
+
+    def quiet_bound(self) -> float:
+        """A user's command: the quiet that makes it a suspect. Not stretched by the quiet spells it had
+        (as the bundled trainer's bound is by its steps): a suspect without a culprit costs one read of
+        the states, and a job that waits a minute on purpose once must not hide a hang for minutes."""
+        return min(float(self.stall_timeout_s or 0), STALL_FLOOR_S)
+
+    def _check_quiet_command(self, silent: float, now: float) -> None:
+        """A user's command without --stall-timeout: quiet for the ceiling is a stall; quiet for
+        quiet_bound() a suspect, once per quiet spell. Nothing without activity reports."""
+        if not self.activity_seen:
+            return
+        ceiling = float(self.stall_timeout_s or 0)
+        if silent > ceiling:
+            self.stall = replace(
+                self._stall(silent), bound=f"the ceiling, {ceiling:g} s, with no culprit named before"
+            )
+            self.stalled_at = now
+            self._note_failure()
+        elif (
+            silent > self.quiet_bound()
+            and self.suspect is None
+            and self._suspected_for != self.last_progress_at
+        ):
+            self._suspected_for = self.last_progress_at
+            self.suspect = replace(self._stall(silent), bound=f"{self.quiet_bound():g} s of quiet")
+
+    @property
+    def still_quiet(self) -> bool:
+        """The suspect's quiet spell goes on: no line and no rank working since it was suspected."""
+        return self.suspect is not None and self._suspected_for == self.last_progress_at
+
+    def confirm_suspect(self) -> None:
+        """The suspect's culprit is named (hang_check.py): it is the stall."""
+        if self.suspect is not None and self.stall is None:
+            self.stall, self.suspect = self.suspect, None
+            self.stalled_at = time.time()
+            self._note_failure()
+
+    def dismiss_suspect(self) -> None:
+        """No culprit: the command goes on being followed, and its states are forgotten (a later stall
+        reads them again)."""
+        self.suspect = None
+        for hs in self.hosts.values():
+            hs.proc_states, hs.reach = None, None
 
     def stall_bound(self, computing: bool = True) -> tuple[float, str]:
         """(seconds without progress that make a stall now, what that rests on): stall.stall_bound over
@@ -664,12 +737,8 @@ class JobMonitor:
             # A user's command: every node was silent; the one silent longest first.
             order = sorted(self.hosts.values(), key=lambda hs: hs.last_output_at or 0.0)
             behind = [(hs.host, None, None) for hs in order]
-            return Stall(
-                silent_s,
-                behind,
-                None,
-                f"no node printed a line for {silent_s:.0f} s",
-            )
+            used = " and no rank used CPU or I/O" if self.activity_seen else ""
+            return Stall(silent_s, behind, None, f"no node printed a line{used} for {silent_s:.0f} s")
         started: dict[tuple[str, int], int | None] = {}
         for hs in self.hosts.values():
             expected = self.ranks.get(hs.host) or range(0)

@@ -40,6 +40,30 @@ def _seconds(value: Any) -> float | None:
     return None
 
 
+#: A user's command: a rank that read or wrote this many bytes a second (files, sockets, its output)
+#: works. One waiting in a collective moves none; a stray thread's heartbeat far fewer.
+ACTIVE_IO_BPS = 64 * 1024
+
+
+def used_time_or_io(activity: dict[str, Any]) -> bool:
+    """Whether a node's `activity` (node_ctl.activity: what each rank used during one quiet poll) shows
+    a rank working: on a CPU for COMPUTING_SHARE of the time, or moving ACTIVE_IO_BPS. Processes with
+    no rank (torchrun's agent, a shell) count only where no process has one."""
+    seconds, ranks = activity.get("seconds"), activity.get("ranks")
+    if not isinstance(seconds, int | float) or seconds <= 0 or not isinstance(ranks, dict):
+        return False
+    counted = {r: v for r, v in ranks.items() if r != ""} or ranks
+    for used in counted.values():
+        if not isinstance(used, list) or len(used) != 2:
+            continue
+        cpu, moved = used
+        if isinstance(cpu, int | float) and cpu / seconds >= COMPUTING_SHARE:
+            return True
+        if isinstance(moved, int) and moved / seconds >= ACTIVE_IO_BPS:
+            return True
+    return False
+
+
 def busy(record: dict[str, Any]) -> bool:
     """Whether a rank's record says its training thread computes (a sample at COMPUTING_SHARE or more)."""
     share = record.get("busy_share")

@@ -80,8 +80,9 @@ LAUNCH_VARS = frozenset(
         "launch_reuse",
     }
 )
-#: The bundled trainer's default --stall-timeout (a user's command has none unless given).
-BUNDLED_STALL_TIMEOUT_S = 600.0
+#: Without --stall-timeout, the ceiling of the adaptive stall bound (the bundled trainer's steps, a
+#: user's command's quiet: launcher/stall.py, live.JobMonitor).
+STALL_CEILING_S = 600.0
 #: The longest a follow's poll waits on a quiet node (WatchOptions.quiet_s): following a node costs the
 #: controller a round trip (an ssh client, a worker's wake-up) per poll, 0.2 % of a core at one per
 #: 2 s; one per 10 s costs a fifth of it, and a node's end still answers at once.
@@ -115,9 +116,10 @@ class WatchOptions:
 
     @classmethod
     def defaults(cls, bundled: bool) -> WatchOptions:
-        """What a launch is followed with when the command line gives nothing: the bundled trainer's
-        stall bound adapts to the job (under BUNDLED_STALL_TIMEOUT_S), a user's command has none."""
-        return cls(stall_timeout_s=BUNDLED_STALL_TIMEOUT_S if bundled else None, stall_adaptive=bundled)
+        """What a launch is followed with when the command line gives nothing: the stall bound adapts to
+        the job, under STALL_CEILING_S (the bundled trainer's steps; a user's command's quiet, where a
+        culprit must be named before the ceiling)."""
+        return cls(stall_timeout_s=STALL_CEILING_S, stall_adaptive=True)
 
     @property
     def status_timeout_s(self) -> float:
@@ -304,7 +306,14 @@ def start_calls(extravars: dict[str, Any]) -> None:
                 "give_up_s": extravars["launch_give_up_s"],
                 # Only rank 0's lines are shown as they come: a worker's poll answers on its trainer's
                 # end or after launch_quiet_s, one round trip per node every few seconds.
-                "request": {"node_dir": node["node_dir"], "offset": 0, "quiet": not is_head},
+                # A user's command: each quiet poll also says what the ranks used (CPU, I/O), so the
+                # launcher tells a command that works without printing from a hang (live.JobMonitor).
+                "request": {
+                    "node_dir": node["node_dir"],
+                    "offset": 0,
+                    "quiet": not is_head,
+                    "activity": not extravars["launch_bundled_trainer"],
+                },
             },
         }
     # Moved into the start, not copied: start.yml reads them nowhere else, and the values file the

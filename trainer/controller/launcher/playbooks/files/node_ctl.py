@@ -72,6 +72,9 @@ LINGER_S = 0.05
 WAIT_STEP_S = 0.05
 #: How often run.sh's join watcher (watch_join) scans this launch's connections on a worker.
 JOIN_WATCH_S = 0.25
+#: A poll that waited at least this long on a quiet node says how much CPU time and I/O the launch's
+#: ranks used meanwhile (`activity`): the sign that a user's command that prints nothing still works.
+ACTIVITY_MIN_S = 0.5
 
 # The run's layout, as trainer/run_paths.py (RunPaths) defines it: this file imports nothing of the
 # package (it is sent to the nodes as text), so it keeps these few names, and
@@ -127,6 +130,51 @@ def tagged_pids(node_dir: Path) -> list[int]:
             continue
         found.append(int(proc.name))
     return sorted(found)
+
+
+def rank_usage(node_dir: Path) -> dict[str, list]:
+    """This launch's processes on this node by rank (torchrun's RANK; '' for those without one): their
+    CPU seconds (/proc/<pid>/stat, every thread) and bytes read and written (/proc/<pid>/io's rchar and
+    wchar, sockets included; None where this account may not read it)."""
+    launch_id = _launch_id(node_dir)
+    if launch_id is None:
+        return {}
+    marker, tick = f"{TAG_VARIABLE}={launch_id}".encode(), os.sysconf("SC_CLK_TCK")
+    usage: dict[str, list] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        environ = _environ(proc.name)
+        if marker not in environ or not _of_node(environ, node_dir):
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            cpu = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+        try:
+            io = dict(line.split(": ", 1) for line in (proc / "io").read_text().splitlines())
+            moved: int | None = int(io["rchar"]) + int(io["wchar"])
+        except (OSError, KeyError, ValueError):
+            moved = None
+        rank = next((v[5:].decode() for v in environ if v.startswith(b"RANK=")), "")
+        total = usage.setdefault(rank, [0.0, 0])
+        total[0] += cpu
+        total[1] = None if moved is None or total[1] is None else total[1] + moved
+    return usage
+
+
+def activity(before: dict[str, list], after: dict[str, list], seconds: float) -> dict:
+    """What each rank used between two rank_usage reads, `seconds` apart: {"seconds": s, "ranks":
+    {rank: [CPU seconds, bytes or None]}}. A process that ended or began between them counts only as
+    far as both reads saw it (a rank's total that went down is left out)."""
+    ranks = {}
+    for rank, (cpu, moved) in after.items():
+        if rank not in before:
+            continue
+        cpu_s = cpu - before[rank][0]
+        io = None if moved is None or before[rank][1] is None else moved - before[rank][1]
+        if cpu_s >= 0 and (io is None or io >= 0):
+            ranks[rank] = [round(cpu_s, 3), io]
+    return {"seconds": round(seconds, 3), "ranks": ranks}
 
 
 def _read_json(path: Path) -> dict | None:
@@ -287,6 +335,7 @@ def status(
     wait: float = 0.0,
     quiet: bool = False,
     alive: bool | None = None,
+    usage: bool = False,
 ) -> dict:
     """The node's report. With an offset and `wait`, a long poll: it returns as soon as the log grew
     or the trainer ended, at the latest after `wait` seconds. `quiet`: a node whose lines nobody
@@ -294,10 +343,14 @@ def status(
     and of a backlog longer than a chunk only the last chunk is read (its last lines are what a
     failure report shows), so following it costs one round trip per `wait`. `alive`: whether run.sh
     still runs, when the caller knows better than this host's process table (a Slurm step read from
-    the shared dir on another host: the pid is the node's, so Slurm says whether the step runs)."""
-    deadline = time.monotonic() + wait
+    the shared dir on another host: the pid is the node's, so Slurm says whether the step runs).
+    `usage`: a long poll that waited ACTIVITY_MIN_S or more says what the ranks used meanwhile
+    (`activity`; a user's command, whose quiet the launcher must tell from a hang)."""
+    waited_from = time.monotonic()
+    deadline = waited_from + wait
     if quiet and offset is not None:
         offset = _skip_to_last_chunk(node_dir, offset)
+    before = rank_usage(node_dir) if usage and offset is not None and wait >= ACTIVITY_MIN_S else None
     if offset is not None and wait > 0:
         pid = _pid(node_dir)
         while time.monotonic() < deadline:
@@ -307,6 +360,12 @@ def status(
             if pid is not None and not _alive(pid):
                 break
             time.sleep(WAIT_STEP_S)
+    waited = time.monotonic() - waited_from
+    used = (
+        activity(before, rank_usage(node_dir), waited)
+        if before is not None and waited >= ACTIVITY_MIN_S
+        else None
+    )
     state, pid, exit_record = _state(node_dir, alive)
     lines, next_offset = read_log(node_dir, offset, tail)
     info = _read_json(node_dir / "launch.json")
@@ -323,6 +382,7 @@ def status(
         "joined": joined(node_dir, info) if state == "running" else seen_joined(node_dir) or None,
         "progress": progress(node_dir),
         "log_age_s": _log_age(node_dir),
+        "activity": used,
         "time": time.time(),
         # Read once the trainer has ended (a poll of a running one needs none of it).
         "errors": rank_errors(node_dir) if state in ("exited", "vanished") else [],
@@ -1333,6 +1393,7 @@ def serve(request: dict) -> int:
                 int(request.get("tail") or 0),
                 float(request.get("wait") or 0.0),
                 bool(request.get("quiet")),
+                usage=bool(request.get("activity")),
             )
         elif op == "states":
             states = process_states(Path(request["node_dir"]))
