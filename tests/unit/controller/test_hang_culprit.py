@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import os
@@ -24,6 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 from helpers.loopback import write_inventory
+from helpers.node_helper import node_ctl
 from helpers.played_attempts import PlayedAttempts
 from rich.console import Console
 
@@ -37,17 +37,9 @@ from trainer.controller.launcher.plan import make_plan
 from trainer.controller.launcher.restarts import RestartPolicy
 
 REPO = Path(__file__).resolve().parents[3]
-NODE_CTL = REPO / "trainer/controller/launcher/playbooks/files/node_ctl.py"
 #: py-spy dumps (`py-spy dump --json`) of real ranks of tests/data/hang_user/allreduce_loop.py.
 STACKS = REPO / "tests" / "data" / "hang_user"
 LAUNCH_ID = "hang-test-1"
-
-
-def node_ctl():
-    spec = importlib.util.spec_from_file_location("node_ctl_under_test", NODE_CTL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def node_dir(tmp_path: Path, node_rank: int) -> Path:

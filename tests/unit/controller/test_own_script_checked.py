@@ -5,26 +5,17 @@ fails anyway, the report's first line is the failing rank's own error line, and 
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.node_helper import node_ctl
 from rich.console import Console
 
 from trainer.controller.launcher.command_forms import script_of
 from trainer.controller.launcher.failure import diagnose, render
 from trainer.controller.launcher.live import JobMonitor, LiveView
-
-NODE_CTL = Path(__file__).resolve().parents[3] / "trainer/controller/launcher/playbooks/files/node_ctl.py"
-
-
-def node_ctl():
-    spec = importlib.util.spec_from_file_location("node_ctl_under_test", NODE_CTL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(

@@ -6,27 +6,17 @@ the ceiling's quiet is a stall; without activity reports (a Slurm step) nothing 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers.node_helper import Said, node_ctl
 
 from trainer.controller.launcher.live import JobMonitor
 from trainer.controller.launcher.stall import STALL_FLOOR_S, used_time_or_io
 
-REPO = Path(__file__).resolve().parents[3]
-NODE_CTL = REPO / "trainer/controller/launcher/playbooks/files/node_ctl.py"
 LAUNCH_ID = "quiet-test-1"
-
-
-def node_ctl():
-    spec = importlib.util.spec_from_file_location("node_ctl_quiet", NODE_CTL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -65,19 +55,6 @@ def test_a_quiet_poll_says_what_each_rank_used(ranks):
     # Without `usage` (the bundled trainer's watch), or without a wait, nothing is read.
     assert node_ctl().status(ranks, offset=0, wait=1.0, quiet=True)["activity"] is None
     assert node_ctl().status(ranks, offset=0, wait=0.0, usage=True)["activity"] is None
-
-
-class Said:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def message(self, text: str) -> None:
-        self.lines.append(text)
-
-    log = message
-
-    def states(self, states) -> None:
-        pass
 
 
 def monitor() -> JobMonitor:

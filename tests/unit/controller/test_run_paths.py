@@ -4,23 +4,14 @@ copy of the few names it needs (these tests tie that copy to RunPaths)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path, PurePosixPath
 
+from helpers.node_helper import node_ctl
 from helpers.plan_inventory import three_nodes
 
 from trainer.controller.launcher.plan import make_plan
 from trainer.controller.launcher.runscript import node_dir
 from trainer.run_paths import RunPaths
-
-NODE_CTL = Path(__file__).resolve().parents[3] / "trainer/controller/launcher/playbooks/files/node_ctl.py"
-
-
-def node_ctl():
-    spec = importlib.util.spec_from_file_location("node_ctl_paths", NODE_CTL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_plan_puts_the_run_where_run_paths_say(tmp_path):

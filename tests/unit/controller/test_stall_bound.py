@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from helpers.node_helper import Said
 
 from trainer.controller.launcher.launch_cli import STALL_CEILING_S, watch_options
 from trainer.controller.launcher.launch_record import LaunchRecord
@@ -52,21 +53,6 @@ def test_a_rank_computing_its_step_holds_the_ceiling(device, computing, bound):
     assert ("computing" in why) == (bound == 600.0), why
     # A fixed --stall-timeout is the bound, computing or not.
     assert stall_bound(ranks, 30.0, adaptive=False, computing=computing) == (30.0, "")
-
-
-class Said:
-    """What JobMonitor says to its view."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def message(self, text: str) -> None:
-        self.lines.append(text)
-
-    log = message
-
-    def states(self, states) -> None:
-        pass
 
 
 def report(host, rank, share, at):
