@@ -168,6 +168,52 @@ def test_status_logs_and_stop_of_a_running_slurm_run(slurm, site, trained):
     assert history[-1]["event"] == "stopped" and history[-1]["why"] == "stop_command", history
 
 
+#: A user's own torchrun script: every rank all-reduces a 1 and says the sum (the world size), then leaves
+#: once all have (os._exit: gloo's teardown under a static rendezvous can abort after the barrier).
+OWN_SCRIPT = """import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+total = torch.ones(1)
+dist.all_reduce(total)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum {total.item():.0f}", flush=True)
+dist.barrier()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_your_own_torchrun_command_runs_as_one_step_whose_ranks_join_one_world(slurm, site):
+    """`salloc --nodes=2 trainer launch -i INVENTORY -- torchrun own.py`: your command runs on the
+    allocation's nodes as one srun step, torchrun on each node with the topology in its environment
+    (two processes a node: world size 4, the head at Slurm's address), and the launcher follows it to
+    its end on both nodes as over SSH."""
+    script = site[1] / "own_allreduce.py"
+    script.write_text(OWN_SCRIPT)
+    command = [str(VENV / "bin" / "python"), "-m", "trainer", "launch", "-i", str(site[0]),
+               "--run-name", "own", "--poll-interval", "1", "--", "torchrun", str(script)]  # fmt: skip
+    done = subprocess.run(
+        ["salloc", "--nodes=2", *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=slurm.env,
+        cwd=REPO,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:] + slurm.logs()
+    assert "as Slurm step clustertrain-" in output and "on 2 node(s): sn0, sn1" in output, output[-4000:]
+    assert "done: run own finished on all 2 node(s)" in output, output[-4000:]
+    launch = site[1] / "runs" / "own" / "launch"
+    said = "".join((launch / f"node-{node}" / "log").read_text() for node in (0, 1))
+    for rank in range(4):
+        assert f"rank {rank} of 4: sum 4" in said, said
+    for node in (0, 1):
+        assert json.loads((launch / f"node-{node}" / "exit").read_text())["exit_code"] == 0
+        assert "torchrun" in (launch / f"node-{node}" / "run.sh").read_text()
+
+
 @pytest.mark.slow
 def test_plan_inside_salloc_says_what_slurm_is_asked_for(slurm, site):
     inventory, _ = site

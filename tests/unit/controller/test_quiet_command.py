@@ -26,7 +26,8 @@ def ranks(tmp_path):
     node_dir = tmp_path / "node-1"
     node_dir.mkdir()
     (node_dir / "launch-id").write_text(f"{LAUNCH_ID}\n")
-    (node_dir / "log").write_text("")
+    (node_dir / "log").write_text("ready\n")
+    os.utime(node_dir / "log", (0, 0))  # printed long ago: the node is quiet
     programs = {2: "while True: sum(i * i for i in range(10_000))", 3: "import time; time.sleep(120)"}
     started = [
         subprocess.Popen(
@@ -55,6 +56,9 @@ def test_a_quiet_poll_says_what_each_rank_used(ranks):
     # Without `usage` (the bundled trainer's watch), or without a wait, nothing is read.
     assert node_ctl().status(ranks, offset=0, wait=1.0, quiet=True)["activity"] is None
     assert node_ctl().status(ranks, offset=0, wait=0.0, usage=True)["activity"] is None
+    # A node whose log grew in the last seconds is seen working by its lines: nothing is read either.
+    (ranks / "log").write_text("ready\nstep 1\n")
+    assert node_ctl().status(ranks, offset=0, wait=1.0, quiet=True, usage=True)["activity"] is None
 
 
 def monitor() -> JobMonitor:

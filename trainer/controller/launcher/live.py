@@ -683,7 +683,8 @@ class JobMonitor:
             and self._suspected_for != self.last_progress_at
         ):
             self._suspected_for = self.last_progress_at
-            self.suspect = replace(self._stall(silent), bound=f"{self.quiet_bound():g} s of quiet")
+            why = f"{self.quiet_bound():g} s of quiet; a wait this long on purpose: --stall-timeout S, or 0"
+            self.suspect = replace(self._stall(silent), bound=why)
 
     @property
     def still_quiet(self) -> bool:

@@ -75,6 +75,9 @@ JOIN_WATCH_S = 0.25
 #: A poll that waited at least this long on a quiet node says how much CPU time and I/O the launch's
 #: ranks used meanwhile (`activity`): the sign that a user's command that prints nothing still works.
 ACTIVITY_MIN_S = 0.5
+#: ... and only once its log has not grown for this long: a command that prints is seen working by its
+#: lines, and reading every process's environment each poll would cost a node with many for nothing.
+ACTIVITY_QUIET_S = 5.0
 
 # The run's layout, as trainer/run_paths.py (RunPaths) defines it: this file imports nothing of the
 # package (it is sent to the nodes as text), so it keeps these few names, and
@@ -350,7 +353,10 @@ def status(
     deadline = waited_from + wait
     if quiet and offset is not None:
         offset = _skip_to_last_chunk(node_dir, offset)
-    before = rank_usage(node_dir) if usage and offset is not None and wait >= ACTIVITY_MIN_S else None
+    age = _log_age(node_dir)
+    quiet_log = age is None or age >= ACTIVITY_QUIET_S
+    sampled = usage and quiet_log and offset is not None and wait >= ACTIVITY_MIN_S
+    before = rank_usage(node_dir) if sampled else None
     if offset is not None and wait > 0:
         pid = _pid(node_dir)
         while time.monotonic() < deadline:
