@@ -35,6 +35,8 @@ class QuietCheck(Protocol):
 
     def on_tick(self, monitor: JobMonitor) -> None: ...
 
+    def close(self) -> None: ...
+
 
 def start_word(probes: list[dict[str, Any]]) -> dict[str, Any]:
     """The launcher's word to every probed node once all have passed (launch_node's `launch`): start,

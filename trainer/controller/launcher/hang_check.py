@@ -75,6 +75,12 @@ class HangCheck:
             f"{monitor.stall_timeout_s:g} s of quiet)"
         )
 
+    def close(self, timeout_s: float = 120.0) -> None:
+        """The attempt's follow ended: wait for a states read under way (one playbook run, its own
+        timeouts), so no playbook of this attempt outlives it."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
     def _read(self) -> None:
         try:
             self._result = self.read_states()

@@ -405,6 +405,9 @@ class Launcher:
                 )
             except KeyboardInterrupt:
                 result = None  # Ctrl-C, TERM or HUP (install_signal_handlers)
+            finally:
+                if events.quiet_check is not None:
+                    events.quiet_check.close()  # a states read under way ends before what follows
             if result is None:
                 return self._interrupted(monitor, view)
             if (settled := self._settled(events, view)) is not None:
