@@ -131,6 +131,23 @@ def _run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
     return done
 
 
+def _copy_etc(target: Path, tries: int = 5) -> None:
+    """A copy of this machine's /etc at `target`. Another process's useradd or groupadd (a test's
+    temporary account) makes and removes lock and backup files there (`/etc/group+`, `group.lock`)
+    while cp walks it; a file gone between cp's listing and its copy fails the copy, so it is made again
+    a few times. Any other error fails at once."""
+    for attempt in range(tries):
+        shutil.rmtree(target, ignore_errors=True)
+        done = subprocess.run(["cp", "-a", "/etc", str(target)], capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        errors = [line for line in done.stderr.splitlines() if line.strip()]
+        vanished = all("cannot stat" in line and "No such file or directory" in line for line in errors)
+        if not vanished or attempt == tries - 1:
+            raise SetupError(f"cp -a /etc {target} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+        time.sleep(0.5)
+
+
 def _quiet(command: list[str], stdin: str | None = None) -> None:
     """Clean-up commands: whatever is already gone is fine."""
     subprocess.run(command, input=stdin, capture_output=True, text=True)
@@ -327,8 +344,7 @@ class Cluster:
         # namespaces), and their sshd then refused every login for want of its privilege separation
         # user.
         etc = self.root / "etc"
-        shutil.rmtree(etc, ignore_errors=True)
-        _run(["cp", "-a", "/etc", str(etc)])
+        _copy_etc(etc)
         # Node names resolve on every node (sudo looks its own host name up), never through DNS.
         hosts = etc / "hosts"
         hosts.write_text(
