@@ -42,7 +42,7 @@ def _extravars(lock_in_probe: bool) -> dict:
         "launch_quiet_s": 10.0,
         "launch_status_timeout_s": 20.0,
         "launch_give_up_s": 330.0,
-        "launch_bundled_trainer": True,
+        "launch_activity": False,
     }
 
 

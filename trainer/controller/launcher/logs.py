@@ -252,6 +252,7 @@ def follow(plan: JobPlan, nodes: dict[str, int], tail: int, printer: LinePrinter
         "launch_poll_s": POLL_S,
         "launch_status_timeout_s": 20,
         "launch_give_up_s": GIVE_UP_S,
+        "launch_activity": False,  # its lines only: what the ranks use is the launcher's concern
     }
     restore = _interrupt_on_term()
     try:

@@ -75,6 +75,7 @@ LAUNCH_VARS = frozenset(
         "launch_lock_request",
         "launch_lock_in_probe",
         "launch_bundled_trainer",
+        "launch_activity",
         "launch_release_lock",
         "launch_release_lock_when_done",
         "launch_reuse",
@@ -243,6 +244,9 @@ def launch_vars(
         "launch_lock_request": lock_request,
         "launch_lock_in_probe": lock_in_probe(plan),
         "launch_bundled_trainer": plan.runs_bundled_trainer,
+        # A user's command: each quiet poll also says what the ranks used (CPU, I/O), so the launcher
+        # tells a command that works without printing from a hang (live.JobMonitor).
+        "launch_activity": not plan.runs_bundled_trainer,
         "launch_release_lock": False,
         "launch_release_lock_when_done": True,
         "launch_reuse": False,
@@ -306,13 +310,11 @@ def start_calls(extravars: dict[str, Any]) -> None:
                 "give_up_s": extravars["launch_give_up_s"],
                 # Only rank 0's lines are shown as they come: a worker's poll answers on its trainer's
                 # end or after launch_quiet_s, one round trip per node every few seconds.
-                # A user's command: each quiet poll also says what the ranks used (CPU, I/O), so the
-                # launcher tells a command that works without printing from a hang (live.JobMonitor).
                 "request": {
                     "node_dir": node["node_dir"],
                     "offset": 0,
                     "quiet": not is_head,
-                    "activity": not extravars["launch_bundled_trainer"],
+                    "activity": extravars["launch_activity"],
                 },
             },
         }
