@@ -244,9 +244,7 @@ def launch_vars(
         "launch_lock_request": lock_request,
         "launch_lock_in_probe": lock_in_probe(plan),
         "launch_bundled_trainer": plan.runs_bundled_trainer,
-        # A user's command: each quiet poll also says what the ranks used (CPU, I/O), so the launcher
-        # tells a command that works without printing from a hang (live.JobMonitor).
-        "launch_activity": not plan.runs_bundled_trainer,
+        "launch_activity": not plan.runs_bundled_trainer,  # what its ranks use (live.JobMonitor's quiet)
         "launch_release_lock": False,
         "launch_release_lock_when_done": True,
         "launch_reuse": False,
