@@ -104,9 +104,20 @@ def test_a_killed_worker_node_is_left_out_and_the_survivors_finish_like_a_run_st
     runs.append(run_name)
     run = shared_dir() / "runs" / run_name
     sets = (*SETS, *extra_sets)
+    # The victim's rank sleeps 60 s before step 14 (its peers wait in that step's collective): the
+    # run is still going when the kill lands, however fast the steps (a quiet machine ran all 40
+    # between the launcher showing step 12 and podman's kill). The math is the same; the restart
+    # resumes from step-10 on the two survivors, where the hook has no rank to act on.
+    stall = ("--env", "TRAINER_TEST_STALL=2:14:60")
     launcher = LauncherOutput.start(
         launch(
-            inventory_for(tmp_path, engine), run_name, "--max-restarts", "2", "--exclude-failed", sets=sets
+            inventory_for(tmp_path, engine),
+            run_name,
+            "--max-restarts",
+            "2",
+            "--exclude-failed",
+            *stall,
+            sets=sets,
         )
     )
     try:
