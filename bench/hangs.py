@@ -69,7 +69,7 @@ from helpers.loopback import write_inventory  # noqa: E402
 from helpers.loopback_launch import TINY, environ, launch_command, trainer_pids  # noqa: E402
 from helpers.testbed_nodes import INVENTORY as BED_INVENTORY  # noqa: E402
 from helpers.testbed_nodes import STATUS as BED_STATUS  # noqa: E402
-from helpers.testbed_nodes import podman  # noqa: E402
+from helpers.testbed_nodes import cluster_settings, podman  # noqa: E402
 
 KINDS = ("sigstop", "sleep", "torchrun-sigstop", "torchrun-sleep", "torchrun-diverged", "dstate", "partition")
 #: Where each kind can run: the bed's containers have no FUSE or NFS mount; loopback nodes share one
@@ -177,10 +177,7 @@ class Site:
         shutil.copytree(BED_INVENTORY, inventory)
         overrides = {"training_procs_per_node": processes, "training_engine": engine}
         (inventory / "group_vars" / "cluster" / "zz_hangs.yml").write_text(yaml.safe_dump(overrides))
-        settings: dict = {}
-        for path in sorted((inventory / "group_vars" / "cluster").glob("*.yml")):
-            settings.update(yaml.safe_load(path.read_text()) or {})
-        return inventory, Path(settings["cluster_shared_dir"])
+        return inventory, Path(cluster_settings(inventory)["cluster_shared_dir"])
 
     def scripts_dir(self, root: Path, shared: Path) -> Path:
         """Loopback ranks run as this account and see `root`; the bed's see only the shared dir (a bind

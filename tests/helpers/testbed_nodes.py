@@ -66,10 +66,16 @@ def _inventory() -> tuple[dict[str, dict], dict]:
         for group in tree["children"].values()
         for name, variables in (group.get("hosts") or {}).items()
     }
+    return hosts, cluster_settings(INVENTORY)
+
+
+def cluster_settings(inventory: Path) -> dict:
+    """The cluster group's variables of an inventory dir: its group_vars/cluster files merged in name
+    order, as Ansible reads them."""
     settings: dict = {}
-    for path in sorted((INVENTORY / "group_vars" / "cluster").glob("*.yml")):
+    for path in sorted((inventory / "group_vars" / "cluster").glob("*.yml")):
         settings.update(yaml.safe_load(path.read_text()) or {})
-    return hosts, settings
+    return settings
 
 
 def podman(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:

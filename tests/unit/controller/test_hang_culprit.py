@@ -259,18 +259,24 @@ def bundled_stalled_monitor(view: LiveView, steps: dict[str, tuple[int, int]]) -
     return monitor
 
 
-def test_the_bundled_trainers_rank_behind_its_peers_is_the_cause_with_its_state(tmp_path, processes):
-    """Rank 1 still in step 5 (it sleeps outside the collective) while rank 0 is in step 6 and waits in
-    its collective: both sleep, so no state tells; the progress records name rank 1, with its state."""
-    processes += [sleeping_rank(0, 0), sleeping_rank(1, 1)]
+def bundled_diagnosis(tmp_path: Path, steps: dict[str, tuple[int, int]]) -> tuple[Diagnosis, str]:
+    """The bundled trainer's stall (bundled_stalled_monitor with `steps`) with both ranks asleep: its
+    diagnosis once the stop's process states came, and what the report shows."""
     out = io.StringIO()
     with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
-        monitor = bundled_stalled_monitor(view, {"head": (6, 5), "w1": (5, 5)})
+        monitor = bundled_stalled_monitor(view, steps)
         stop_reports(monitor, tmp_path)
         diagnosis = diagnose(monitor, bundled=True)
         assert diagnosis is not None
         render(diagnosis, monitor, view, stall_timeout_s=5)
-    shown = out.getvalue()
+    return diagnosis, out.getvalue()
+
+
+def test_the_bundled_trainers_rank_behind_its_peers_is_the_cause_with_its_state(tmp_path, processes):
+    """Rank 1 still in step 5 (it sleeps outside the collective) while rank 0 is in step 6 and waits in
+    its collective: both sleep, so no state tells; the progress records name rank 1, with its state."""
+    processes += [sleeping_rank(0, 0), sleeping_rank(1, 1)]
+    diagnosis, shown = bundled_diagnosis(tmp_path, {"head": (6, 5), "w1": (5, 5)})
     cause = diagnosis.cause
     assert (cause.kind, cause.host, cause.rank, diagnosis.code) == ("hung", "w1", 1, exitcodes.HUNG), shown
     assert cause.message.startswith(
@@ -282,12 +288,8 @@ def test_the_bundled_trainers_rank_behind_its_peers_is_the_cause_with_its_state(
 
 def test_a_bundled_stall_with_every_rank_in_one_step_stays_a_stall(tmp_path, processes):
     processes += [sleeping_rank(0, 0), sleeping_rank(1, 1)]
-    out = io.StringIO()
-    with LiveView(Console(file=out, force_terminal=False, width=300)) as view:
-        monitor = bundled_stalled_monitor(view, {"head": (6, 5), "w1": (6, 5)})
-        stop_reports(monitor, tmp_path)
-        diagnosis = diagnose(monitor, bundled=True)
-    assert diagnosis is not None and diagnosis.cause.kind == "stall", diagnosis
+    diagnosis, shown = bundled_diagnosis(tmp_path, {"head": (6, 5), "w1": (6, 5)})
+    assert diagnosis.cause.kind == "stall", shown
 
 
 def test_a_rank_gone_while_its_peers_wait_is_the_cause_only_where_ranks_are_numbered_as_planned():

@@ -401,22 +401,28 @@ def diagnose(monitor: JobMonitor, *, bundled: bool = True, now: float | None = N
     )
 
 
+def _reports(monitor: JobMonitor) -> tuple[dict[str, Any], dict[str, int], dict[str, range]]:
+    """What hang.py reads of the monitor: each node's process states, its node rank, its ranks."""
+    return (
+        {hs.host: hs.proc_states for hs in monitor.hosts.values()},
+        {hs.host: hs.node_rank for hs in monitor.hosts.values()},
+        monitor.ranks,
+    )
+
+
 def stall_hang(monitor: JobMonitor) -> Hang | None:
     """The culprit of the monitor's stall by its ranks' process states (hang.py), None without one (or
     before the stop's reports brought the states)."""
-    return find_hang(
-        {hs.host: hs.proc_states for hs in monitor.hosts.values()},
-        {hs.host: hs.node_rank for hs in monitor.hosts.values()},
-        monitor.ranks,
-    )
+    return find_hang(*_reports(monitor))
+
+
+def stall_partition(monitor: JobMonitor) -> Partition | None:
+    """The node its peers cannot reach while SSH works, by each node's connects at the stall."""
+    return find_partition({hs.host: hs.reach for hs in monitor.hosts.values()})
 
 
 def _states(monitor: JobMonitor) -> list[RankState]:
-    return rank_states(
-        {hs.host: hs.proc_states for hs in monitor.hosts.values()},
-        {hs.host: hs.node_rank for hs in monitor.hosts.values()},
-        monitor.ranks,
-    )
+    return rank_states(*_reports(monitor))
 
 
 def bundled_stall(monitor: JobMonitor) -> bool:
@@ -433,7 +439,7 @@ def _stall_events(monitor: JobMonitor, now: float) -> list[Event]:
     stall, at = monitor.stall, monitor.stalled_at or now
     assert stall is not None
     hang = stall_hang(monitor)
-    partition = find_partition({hs.host: hs.reach for hs in monitor.hosts.values()}) if hang is None else None
+    partition = stall_partition(monitor) if hang is None else None
     if partition is not None:
         return _partition_events(monitor, partition, at, stall.summary)
     if hang is None and bundled_stall(monitor):

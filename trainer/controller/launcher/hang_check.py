@@ -16,8 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from trainer.controller.launcher.failure import stall_hang
-from trainer.controller.launcher.hang import find_partition
+from trainer.controller.launcher.failure import stall_hang, stall_partition
 from trainer.controller.launcher.live import JobMonitor, LiveView
 from trainer.controller.runner import PlaybookResult
 
@@ -64,8 +63,7 @@ class HangCheck:
         if not monitor.still_quiet:
             monitor.dismiss_suspect()  # it printed or worked again while its states were read
             return
-        reach = {hs.host: hs.reach for hs in monitor.hosts.values()}
-        if stall_hang(monitor) is not None or find_partition(reach) is not None:
+        if stall_hang(monitor) is not None or stall_partition(monitor) is not None:
             monitor.confirm_suspect()  # the stop names the culprit (launch.Launcher._stop_failed)
             return
         monitor.dismiss_suspect()

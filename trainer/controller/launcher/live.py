@@ -511,12 +511,12 @@ class JobMonitor:
         shown = hs.add_lines(lines)
         if lines:
             hs.last_output_at = time.monotonic()
-            if not self.progress_from_steps:
-                self._command_progress(hs.last_output_at)
+            if not self.progress_from_steps:  # a user's command: a line printed is progress
+                self.last_progress_at = hs.last_output_at
         if not self.progress_from_steps and isinstance(used := report.get("activity"), dict):
             self.activity_seen = True
-            if used_time_or_io(used):
-                self._command_progress(time.monotonic())
+            if used_time_or_io(used):  # ... and so is a rank using CPU or I/O
+                self.last_progress_at = time.monotonic()
         for record in report.get("progress") or []:
             if isinstance(record, dict) and _integer(record.get("rank", 0)) is not None:
                 hs.progress[record.get("rank", 0)] = record
@@ -654,10 +654,6 @@ class JobMonitor:
             self._progress_key = key
             self.last_progress_at = now
             self.watchdog_armed = bool(key)
-
-    def _command_progress(self, now: float) -> None:
-        """A user's command printed a line, or one of its ranks used CPU or I/O: it is not quiet."""
-        self.last_progress_at = now
 
     def quiet_bound(self) -> float:
         """A user's command: the quiet that makes it a suspect. Not stretched by the quiet spells it had

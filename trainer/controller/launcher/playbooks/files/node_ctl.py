@@ -58,6 +58,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # pwd, re, shlex, shutil, socket and subprocess are imported where they are used: a status poll runs
@@ -139,15 +140,9 @@ def rank_usage(node_dir: Path) -> dict[str, list]:
     """This launch's processes on this node by rank (torchrun's RANK; '' for those without one): their
     CPU seconds (/proc/<pid>/stat, every thread) and bytes read and written (/proc/<pid>/io's rchar and
     wchar, sockets included; None where this account may not read it)."""
-    launch_id = _launch_id(node_dir)
-    if launch_id is None:
-        return {}
-    marker, tick = f"{TAG_VARIABLE}={launch_id}".encode(), os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
     usage: dict[str, list] = {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        environ = _environ(proc.name)
-        if marker not in environ or not _of_node(environ, node_dir):
-            continue
+    for proc, environ in node_processes(node_dir):
         try:
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
             cpu = (int(fields[11]) + int(fields[12])) / tick
@@ -828,18 +823,24 @@ def process_states(node_dir: Path, limit: int = 64) -> list[dict]:
     (torchrun's agent), or where no process has a rank (a command without torchrun) the command's own.
     Reads only: nothing is signalled. The processes are this launch's (its tag) and this node's (the
     node rank run.sh exports: loopback and simulated nodes share one machine's processes)."""
-    launch_id = _launch_id(node_dir)
-    if launch_id is None:
-        return []
-    marker = f"{TAG_VARIABLE}={launch_id}".encode()
     records: dict[int, dict] = {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        environ = _environ(proc.name)
-        if marker not in environ or not _of_node(environ, node_dir):
-            continue
+    for proc, environ in node_processes(node_dir):
         if (record := process_record(int(proc.name), environ)) is not None:
             records[record["pid"]] = record
     return _rank_units(records)[:limit]
+
+
+def node_processes(node_dir: Path) -> Iterator[tuple[Path, list[bytes]]]:
+    """This launch's processes on this node (its tag, and the node rank run.sh exports): each one's
+    /proc dir and environment, which a process of another account or launch does not show."""
+    launch_id = _launch_id(node_dir)
+    if launch_id is None:
+        return
+    marker = f"{TAG_VARIABLE}={launch_id}".encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        environ = _environ(proc.name)
+        if marker in environ and _of_node(environ, node_dir):
+            yield proc, environ
 
 
 def _of_node(environ: list[bytes], node_dir: Path) -> bool:
