@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from helpers.node_helper import Said, node_ctl
 
 from trainer.controller.launcher.live import JobMonitor
-from trainer.controller.launcher.stall import STALL_FLOOR_S, used_time_or_io
+from trainer.controller.launcher.stall import COMPUTING_SHARE, STALL_FLOOR_S, used_time_or_io
 
 LAUNCH_ID = "quiet-test-1"
 
@@ -36,22 +38,46 @@ def ranks(tmp_path):
         )
         for rank, program in programs.items()
     ]
+    cpu_seconds(started[0].pid, at_least=0.2)  # past the interpreter's start-up: computing
+    node_dir.joinpath("busy-pid").write_text(str(started[0].pid))
     yield node_dir
     for proc in started:
         proc.kill()
         proc.wait(timeout=30)
 
 
+def cpu_seconds(pid: int, at_least: float = 0.0) -> float:
+    """The process's CPU seconds as the kernel counts them, read here apart from node_ctl; waits (up to
+    30 s) until it has used `at_least`."""
+    deadline = time.monotonic() + 30
+    while True:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        used = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if used >= at_least or time.monotonic() > deadline:
+            return used
+        time.sleep(0.05)
+
+
 def test_a_quiet_poll_says_what_each_rank_used(ranks):
+    busy_pid = int((ranks / "busy-pid").read_text())
+    cpu_before, started = cpu_seconds(busy_pid), time.monotonic()
     report = node_ctl().status(ranks, offset=0, wait=1.5, quiet=True, usage=True)
+    cpu_after, elapsed = cpu_seconds(busy_pid), time.monotonic() - started
     used = report["activity"]
     assert used["seconds"] >= 1.4, used
     cpu_2, io_2 = used["ranks"]["2"]
     cpu_3, _ = used["ranks"]["3"]
-    assert cpu_2 / used["seconds"] >= 0.3 and cpu_3 / used["seconds"] < 0.05, used
+    # The computing rank's share is what the kernel counted during the poll's window, which lies inside
+    # the read here (one thread: outside the window it used at most the wall time outside it). How big
+    # a share it got depends on the machine's load; that it computed and its peer slept does not.
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    measured = cpu_after - cpu_before
+    assert measured - (elapsed - used["seconds"]) - 2 * tick <= cpu_2 <= measured + 2 * tick, (used, measured)
+    assert cpu_2 / used["seconds"] >= 0.05 and cpu_3 / used["seconds"] < 0.02, used
     assert io_2 is not None, "this account reads its own processes' I/O counters"
-    assert used_time_or_io(used)
+    assert used_time_or_io(used) == (cpu_2 / used["seconds"] >= COMPUTING_SHARE), used
     # A rank computing is work; a node whose ranks all sleep is quiet.
+    assert used_time_or_io({"seconds": 2.0, "ranks": {"2": [0.5, 0], "3": [0.0, 0]}})
     assert not used_time_or_io({"seconds": 2.0, "ranks": {"3": [0.01, 0], "": [0.5, 10**6]}})
     # Without `usage` (the bundled trainer's watch), or without a wait, nothing is read.
     assert node_ctl().status(ranks, offset=0, wait=1.0, quiet=True)["activity"] is None
