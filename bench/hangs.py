@@ -16,6 +16,9 @@ Kinds:
 - `sigstop`: the bundled trainer (ddp), node1's rank stopped with SIGSTOP at step 4 or later;
 - `sleep`: the bundled trainer, node1's rank sleeping outside a collective before step 6
   (`TRAINER_TEST_STALL=1:6`), injected when its record of step 5 done was written;
+- `stuck-in-step`: the bundled trainer, node1's rank sleeping once it started step 6, before the step's
+  collectives (`TRAINER_TEST_STALL_IN=1:6`: every rank's record says step 6; named by torch's flight
+  recorder), injected when its record of step 6 started was written;
 - `torchrun-sigstop`: your own command, `torchrun` of tests/data/hang_user/allreduce_loop.py (an
   all-reduce and a line a step, no progress files), node1's rank stopping itself with SIGSTOP at step 20;
 - `torchrun-sleep`: the same, node1's rank sleeping outside the collective from step 20 (named by the
@@ -31,13 +34,13 @@ Kinds:
   launcher still reaches the node. Bed only (tests/local/test_hang_partition_sim.py does it on
   simulated nodes); the rules are removed after.
 
-`--engine deepspeed` runs the bundled trainer's kinds (sigstop, sleep, partition) with DeepSpeed ZeRO-2
-instead of DDP. On the bed, your command's script is copied to the shared dir (the nodes see it there)
-and each run's dir is removed after.
+`--engine deepspeed` runs the bundled trainer's kinds (sigstop, sleep, stuck-in-step, partition) with
+DeepSpeed ZeRO-2 instead of DDP. On the bed, your command's script is copied to the shared dir (the
+nodes see it there) and each run's dir is removed after.
 
 Run (about a minute or two per kind on 2 loaded cores):
-    .venv/bin/python bench/hangs.py [--bed] [--kinds sigstop,sleep,torchrun-sigstop,torchrun-sleep,
-                                             torchrun-diverged,dstate,partition]
+    .venv/bin/python bench/hangs.py [--bed] [--kinds sigstop,sleep,stuck-in-step,torchrun-sigstop,
+                                             torchrun-sleep,torchrun-diverged,dstate,partition]
                                     [--engine ddp|deepspeed] [--stall-timeout 20]
                                     [--log FILE]
 """
@@ -71,7 +74,10 @@ from helpers.testbed_nodes import INVENTORY as BED_INVENTORY  # noqa: E402
 from helpers.testbed_nodes import STATUS as BED_STATUS  # noqa: E402
 from helpers.testbed_nodes import cluster_settings, podman  # noqa: E402
 
-KINDS = ("sigstop", "sleep", "torchrun-sigstop", "torchrun-sleep", "torchrun-diverged", "dstate", "partition")
+KINDS = (
+    "sigstop", "sleep", "stuck-in-step", "torchrun-sigstop", "torchrun-sleep", "torchrun-diverged", "dstate",
+    "partition",
+)  # fmt: skip
 #: Where each kind can run: the bed's containers have no FUSE or NFS mount; loopback nodes share one
 #: network stack (one firewall for both).
 BED_ONLY, LOOPBACK_ONLY = {"partition"}, {"dstate"}
@@ -219,6 +225,12 @@ def run_launch(
         record = node1 / "progress" / "rank-1.json"
         wait_for(lambda: int(progress(node1, 1).get("done") or 0) >= 5, "rank 1's step 5 done", launch)
         # The rank sleeps right after writing that record: its age is how long ago the sleep began.
+        injected = time.monotonic() - (time.time() - record.stat().st_mtime)
+    elif kind == "stuck-in-step":
+        launch = Launch([*bundled, "--env", "TRAINER_TEST_STALL_IN=1:6:3600"])
+        record = node1 / "progress" / "rank-1.json"
+        wait_for(lambda: int(progress(node1, 1).get("started") or 0) >= 6, "rank 1 in step 6", launch)
+        # Written within a second of the sleep's start (the progress writer's interval): counted from then.
         injected = time.monotonic() - (time.time() - record.stat().st_mtime)
     elif kind in TORCHRUN_KINDS:
         return run_torchrun(kind, root, site, shared, base)

@@ -55,6 +55,12 @@ class RunPaths:
         return self.node_dir(rank) / "torchrun"
 
     @property
+    def flight_recorder(self) -> PurePath:
+        """torch's flight recorder dumps: `<launch id>/rank_<R>` beneath, every rank's of one launch in
+        one dir (NCCL writes them when a collective times out; `torchfrtrace` reads such a dir)."""
+        return self.launch_dir / "flight-recorder"
+
+    @property
     def history(self) -> PurePath:
         """The run's launches, restarts and stops, one JSON record a line (written on the head)."""
         return self.launch_dir / HISTORY

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -104,6 +105,58 @@ def test_a_stopped_rank_is_named_with_its_state_and_everything_is_stopped(loopba
     for node in (0, 1):
         assert launch_processes(run / "launch" / f"node-{node}") == [], "every process of the launch is gone"
     assert all(not Path(f"/proc/{pid}").exists() for pid in victims), "the stopped rank too"
+
+
+def test_a_rank_stuck_inside_its_step_is_named_by_the_flight_recorder(loopback, tmp_path):
+    """Rank 1 of the bundled trainer sleeps once it started step 5, before the step's collectives (a
+    data loader that never answers): every rank's record says step 5, so no rank is behind by its step.
+    torch's flight recorder (run.sh sets TORCH_FR_BUFFER_SIZE; each rank reports its last collective)
+    tells: rank 0 waits in all_reduce #N, rank 1's last was #N-1 and ended. Named with its state."""
+    inventory, shared = loopback
+    started = time.monotonic()
+    done = subprocess.run(
+        launch_command(
+            inventory,
+            "--run-name",
+            "stuck-in-step",
+            "--stall-timeout",
+            str(STALL_S),
+            "--env",
+            "TRAINER_TEST_STALL_IN=1:5:3600",
+            "--set",
+            "train.max_steps=400",
+            *TINY,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=run_env(tmp_path),
+    )
+    out = done.stdout + done.stderr
+    print(f"launch to the culprit named and every node stopped: {time.monotonic() - started:.0f} s")
+    assert done.returncode == exitcodes.HUNG, out
+    assert "no rank advanced for" in out and "every rank is in step 5" in out, out
+    named = re.search(
+        r"culprit: not in the collective its peers wait in \((\w+) #(\d+)\): its last collective: "
+        r"(\w+) #(\d+), ended — sleeping — state S.*\(rank 1 on node1 \(node 1\), exit code 71\)",
+        out,
+    )
+    assert named, out
+    print(named.group(0))
+    waited_op, waited, last_op, last = named.groups()
+    assert int(last) == int(waited) - 1 and waited_op == last_op == "all_reduce", named.group(0)
+    assert f"rank 0 on node0 (node 0): waiting in all_reduce #{waited} (sleeping — state S" in out, out
+    run = shared / "runs" / "stuck-in-step"
+    stop = [r for r in history(run) if r.get("event") == "stopped"][-1]
+    assert (stop["why"], stop["hosts"], stop["cause"]["rank"]) == ("hung", ["node1"], 1), stop
+    for node in (0, 1):
+        assert launch_processes(run / "launch" / f"node-{node}") == [], "every process of the launch is gone"
+    launch_id = (run / "launch" / "node-0" / "launch-id").read_text().strip()
+    assert (run / "launch" / "flight-recorder" / launch_id).is_dir(), "NCCL's dumps would land there"
+
+
+def history(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "launch" / "history.jsonl").read_text().splitlines()]
 
 
 def test_a_command_blocked_on_a_hung_mount_names_the_node_and_the_file(loopback, tmp_path):

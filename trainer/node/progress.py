@@ -19,6 +19,9 @@ of that time it spent on a CPU. A rank computing a legitimately slow step keeps 
 sleeps, waits in a gloo collective or is stopped does not (a stopped rank writes nothing at all). The
 launcher holds its adaptive bound while a rank computes (launcher/stall.py). `device` says whether the
 rank trains on a GPU, where a rank waiting for its GPU spins on the CPU and the share tells less.
+With the same sample, `collectives`: per process group, the last collective the rank entered and the
+last that ended, from torch's flight recorder (flight_recorder.py), so that at a stall the launcher
+names the rank that never entered the collective its peers wait in, within one step as well.
 
 Without CLUSTERTRAIN_PROGRESS_DIR (a run by hand) nothing is written.
 
@@ -26,7 +29,9 @@ Test hooks: TRAINER_TEST_STALL=RANK:STEP[:SECONDS] makes global rank RANK sleep 
 before it starts step STEP, as a rank stuck outside a collective would be; TRAINER_TEST_RAISE=RANK:STEP
 makes it raise a RuntimeError there instead, as a rank hitting a bug would (the launcher's root-cause
 report is tested with it); TRAINER_TEST_COMPUTE=RANK:STEP:SECONDS makes it compute (a busy loop on its
-training thread) for SECONDS before it starts step STEP, as a legitimately slow step would.
+training thread) for SECONDS before it starts step STEP, as a legitimately slow step would;
+TRAINER_TEST_STALL_IN=RANK:STEP[:SECONDS] makes it sleep once it started step STEP, before the step's
+collectives, as a rank whose data loader never answers would (every rank's record says step STEP).
 """
 
 from __future__ import annotations
@@ -42,12 +47,14 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from trainer.node.flight_recorder import last_collectives
 from trainer.safe_files import umask_mode, write_file
 
 DIRECTORY_VARIABLE = "CLUSTERTRAIN_PROGRESS_DIR"
 STALL_VARIABLE = "TRAINER_TEST_STALL"
 RAISE_VARIABLE = "TRAINER_TEST_RAISE"
 COMPUTE_VARIABLE = "TRAINER_TEST_COMPUTE"
+STALL_IN_VARIABLE = "TRAINER_TEST_STALL_IN"
 #: Seconds between two writes of a rank's file at most.
 WRITE_INTERVAL_S = 1.0
 #: A step (or pause) longer than this gets its training thread's CPU share sampled and written, once
@@ -92,6 +99,9 @@ class Progress:
         #: The training thread's CPU share over the last BUSY_SAMPLE_S of a step that lasts (None: no
         #: sample since the last step began or ended).
         self.busy_share: float | None = None
+        #: Per process group, the last collective entered and ended (flight_recorder.last_collectives),
+        #: sampled with `busy_share`.
+        self.collectives: dict[str, dict[str, Any]] | None = None
         self._clock = ThreadClock()
         self.started_step: int | None = None
         self.done_step: int | None = None
@@ -105,6 +115,7 @@ class Progress:
         self._stall = _parse_stall(os.environ.get(STALL_VARIABLE, ""), rank)
         self._raise = _parse_stall(os.environ.get(RAISE_VARIABLE, ""), rank)
         self._compute = _parse_stall(os.environ.get(COMPUTE_VARIABLE, ""), rank)
+        self._stall_in = _parse_stall(os.environ.get(STALL_IN_VARIABLE, ""), rank)
         self._wake = threading.Event()
         self._write_lock = threading.Lock()
         self._closed = False
@@ -149,6 +160,13 @@ class Progress:
         self.started_step = step
         self._step_started_at = time.monotonic()
         self._wake.set()
+        if self._stall_in is not None and step == self._stall_in[0]:
+            print(
+                f"trainer: rank {self.rank} sleeps {self._stall_in[1]:g} s in step {step} "
+                f"({STALL_IN_VARIABLE})",
+                flush=True,
+            )
+            time.sleep(self._stall_in[1])
 
     def step_done(self, result: Any) -> None:
         """A per-step hook (trainer.node.loop.StepHook): the step is done; never stops the run."""
@@ -184,6 +202,7 @@ class Progress:
             "phase": self.phase,
             "phase_since": self.phase_since,
             "busy_share": None if self.busy_share is None else round(self.busy_share, 3),
+            "collectives": self.collectives,
             "device": self.device,
             "time": time.time(),
             "stack_signal": "SIGUSR1" if self._stack_file is not None else None,
@@ -208,13 +227,14 @@ class Progress:
             self._wake.clear()
             if (self.started_step, self.done_step, self.phase) != written:
                 written = (self.started_step, self.done_step, self.phase)
-                self.busy_share = None
+                self.busy_share, self.collectives = None, None
                 self._clock.restart()
                 self._write()
             elif not woken and not self._closed:
                 # Nothing began or ended for BUSY_SAMPLE_S: whether the training thread computes. Written
                 # every time, so the launcher sees the sample is fresh (a stopped rank writes none).
                 self.busy_share = self._clock.share()
+                self.collectives = last_collectives()
                 self._write()
             time.sleep(WRITE_INTERVAL_S)
 
@@ -240,7 +260,7 @@ def _busy_for(seconds: float) -> None:
 
 
 def _parse_stall(value: str, rank: int) -> tuple[int, float] | None:
-    """TRAINER_TEST_STALL (and _RAISE, _COMPUTE) for this rank: (step, seconds), or None."""
+    """TRAINER_TEST_STALL (and _RAISE, _COMPUTE, _STALL_IN) for this rank: (step, seconds), or None."""
     parts = value.split(":") if value else []
     try:
         if len(parts) >= 2 and int(parts[0]) == rank:

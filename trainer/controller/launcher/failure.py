@@ -39,6 +39,7 @@ from trainer.controller.launcher.hang import (
     behind_hang,
     find_hang,
     find_partition,
+    flight_hang,
     rank_states,
     state_lines,
 )
@@ -425,6 +426,11 @@ def _states(monitor: JobMonitor) -> list[RankState]:
     return rank_states(*_reports(monitor))
 
 
+def _progress_records(monitor: JobMonitor) -> dict[tuple[str, int], Any]:
+    """Each rank's last progress record, by (host, rank): the bundled trainer's (flight_hang reads them)."""
+    return {(hs.host, rank): record for hs in monitor.hosts.values() for rank, record in hs.progress.items()}
+
+
 def bundled_stall(monitor: JobMonitor) -> bool:
     """A stall of the bundled trainer, whose ranks' progress records say which is behind, with every
     node's process states read (the rank behind is named with its state, never on the records alone)."""
@@ -443,7 +449,8 @@ def _stall_events(monitor: JobMonitor, now: float) -> list[Event]:
     if partition is not None:
         return _partition_events(monitor, partition, at, stall.summary)
     if hang is None and bundled_stall(monitor):
-        hang = behind_hang(_states(monitor), stall.behind, stall.leading_step)
+        states, records = _states(monitor), _progress_records(monitor)
+        hang = behind_hang(states, stall.behind, stall.leading_step, records) or flight_hang(states, records)
     if hang is None:
         behind = stall.behind[0] if stall.behind else (monitor.rank0_host, None, None)
         host = monitor.hosts[behind[0]]

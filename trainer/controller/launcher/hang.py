@@ -17,7 +17,10 @@ in this order:
   call from another line): every rank waits, each for a partner that never comes;
 - the bundled trainer's rank behind its peers by its progress record (behind_hang: still in step k, or
   before it, while they are in step k+1 and wait in its collective), where nothing above told and no
-  node is cut off from its peers: it sleeps (or computes) outside the collective they wait in.
+  node is cut off from its peers: it sleeps (or computes) outside the collective they wait in;
+- with every rank in one step, the bundled trainer's rank that never entered the collective its peers
+  wait in, or entered another, by torch's flight recorder (flight_hang: each rank's record says, per
+  process group, the sequence number of the last collective it entered and the last that ended).
 The first (by that order, then node and rank) is the cause; every other rank is its consequence,
 waiting in its collective (or also stopped, blocked, gone or outside). Where no rank is in such a
 state and no stack tells (a rank sleeping outside a collective sleeps as its waiting peers do), there
@@ -260,6 +263,9 @@ class Hang:
     """Named by the progress records (behind_hang): each rank behind, (host, rank) -> the step its record
     says it is in (None: none reported); with `leading`, the step its peers are in."""
     leading: int | None = None
+    entered: Mapping[tuple[str, int | None], Entered] | None = None
+    """By torch's flight recorder (the bundled trainer's records): each rank's last collective entered,
+    in the process group the hang is in; where `behind` is None, it named the culprit (flight_hang)."""
 
     @property
     def node_at_fault(self) -> bool:
@@ -270,15 +276,22 @@ class Hang:
     def culprit_text(self) -> str:
         """What the culprit was doing: its state, or (named by the stacks) where its Python was."""
         culprit = self.culprit
+        last = (self.entered or {}).get((culprit.host, culprit.rank))
         if self.diverged:
             return (
-                f"in another collective than its peers: {culprit.collective}, while they wait in "
+                f"in another collective than its peers: {culprit.collective or last}, while they wait in "
                 f"{self.waited_in} — {culprit.what}"
             )
         if self.behind is not None:
             at = f": at {culprit.top_frames}" if culprit.frames else ""
             where = f"{self._step_text(culprit)} while they are in step {self.leading}"
-            return f"behind its peers: {where}{at} — {culprit.what}"
+            flight = f"; its last collective: {last.ended_text}" if last is not None else ""
+            return f"behind its peers: {where}{at} — {culprit.what}{flight}"
+        if last is not None:
+            return (
+                f"not in the collective its peers wait in ({self.waited_in}): its last collective: "
+                f"{last.ended_text} — {culprit.what}"
+            )
         if self.waited_in and not culprit.telling:
             return (
                 f"not in the collective its peers wait in ({self.waited_in.split(',')[0]}): at "
@@ -291,10 +304,15 @@ class Hang:
         return f"in step {step}" if step is not None else "in no step yet"
 
     def consequence_text(self, other: RankState) -> str:
+        entered = (self.entered or {}).get((other.host, other.rank))
         if self.behind is not None and (other.host, other.rank) in self.behind:
             text = f"also behind, {self._step_text(other)} ({other.what})"
         elif other.telling:
             text = f"also {other.what}"
+        elif entered is not None and not entered.done:
+            text = f"waiting in {entered} ({other.what})"
+        elif entered is not None:
+            text = f"not in a collective either: its last, {entered.ended_text} ({other.what})"
         elif other.collective:
             text = f"waiting in {other.collective} ({other.what})"
         elif other.frames:  # its stack is read, and outside any collective
@@ -384,7 +402,10 @@ def diverged_hang(states: list[RankState], waiting: list[RankState]) -> Hang | N
 
 
 def behind_hang(
-    states: list[RankState], behind: Iterable[tuple[str, int | None, int | None]], leading: int | None
+    states: list[RankState],
+    behind: Iterable[tuple[str, int | None, int | None]],
+    leading: int | None,
+    records: Mapping[tuple[str, int], Any] | None = None,
 ) -> Hang | None:
     """The bundled trainer's stall where no state, stack or partition told: the first rank its progress
     record shows behind the step its peers are in (`behind`: (host, rank, its step), the stall's, in
@@ -400,7 +421,99 @@ def behind_hang(
     if culprit is None:
         return None
     steps = {(h, r): step for h, r, step in behind}
-    return Hang(culprit, [s for s in states if s is not culprit], behind=steps, leading=leading)
+    others = [s for s in states if s is not culprit]
+    entered = _group_of(collectives(records or {}), (host, rank))
+    return Hang(culprit, others, behind=steps, leading=leading, entered=entered)
+
+
+@dataclass(frozen=True)
+class Entered:
+    """A rank's last collective in one process group, as torch's flight recorder counts them."""
+
+    group: str
+    seq: int
+    """The sequence number of the last collective the rank entered in this group."""
+    ended: int
+    """The last that ended (the one entered, where the rank is not waiting in it)."""
+    op: str = ""
+
+    @classmethod
+    def of(cls, record: Any) -> Entered | None:
+        if not isinstance(record, dict):
+            return None
+        seq, ended = _int(record.get("entered")), _int(record.get("ended"))
+        if seq is None or ended is None:
+            return None
+        return cls(_text(record.get("group"), 80), seq, ended, _text(record.get("op"), 60))
+
+    @property
+    def done(self) -> bool:
+        return self.ended >= self.seq
+
+    def __str__(self) -> str:
+        """`all_reduce #58`, with the group where it is not the default one."""
+        group = f" of group {self.group}" if self.group and self.group != "default_pg" else ""
+        return f"{self.op or 'collective'} #{self.seq}{group}"
+
+    @property
+    def ended_text(self) -> str:
+        return f"{self}, {'ended' if self.done else 'not ended'}"
+
+
+def collectives(records: Mapping[tuple[str, int], Any]) -> dict[str, dict[tuple[str, int], Entered]]:
+    """Process group id -> each rank's Entered, from the ranks' progress records ((host, rank) -> its
+    record; untrusted: checked) where they hold `collectives` (trainer/node/flight_recorder.py)."""
+    groups: dict[str, dict[tuple[str, int], Entered]] = {}
+    for key, record in records.items():
+        held = record.get("collectives") if isinstance(record, dict) else None
+        if not isinstance(held, dict):
+            continue
+        for pg_id, summary in list(held.items())[:64]:
+            if (entered := Entered.of(summary)) is not None:
+                groups.setdefault(_text(str(pg_id), 40), {})[key] = entered
+    return groups
+
+
+def _group_of(
+    groups: Mapping[str, Mapping[tuple[str, int], Entered]], key: tuple[str, int | None]
+) -> dict[tuple[str, int | None], Entered] | None:
+    """The group whose sequence numbers differ most among the ranks that hold `key` (where the hang
+    is: the group the others wait in), or None."""
+    held = [g for g in groups.values() if key in g and len(g) > 1]
+    if not held:
+        return None
+    best = max(held, key=lambda g: max(e.seq for e in g.values()) - min(e.seq for e in g.values()))
+    return dict(best)
+
+
+def flight_hang(states: list[RankState], records: Mapping[tuple[str, int], Any]) -> Hang | None:
+    """The bundled trainer's stall with every rank in one step, by torch's flight recorder (`records`:
+    (host, rank) -> its progress record): in a process group where some ranks wait in collective #N
+    (entered, not ended), the first rank whose last entered is before N never entered it: the culprit.
+    Where every rank entered #N, the one that entered another collective than most (a strict majority)
+    is. None where the records hold no recorder's counts, or every rank waits in the same one."""
+    by_rank = {(s.host, s.rank): s for s in states}
+    order = {(s.host, s.rank): i for i, s in enumerate(states)}
+    for _, group in sorted(collectives(records).items()):
+        ranks = {key: e for key, e in group.items() if key in by_rank}
+        if len(ranks) < 2:
+            continue
+        top = max(e.seq for e in ranks.values())
+        waiting = [e for e in ranks.values() if e.seq == top and not e.done]
+        outside = sorted((key for key, e in ranks.items() if e.seq < top), key=order.__getitem__)
+        if waiting and outside:
+            culprit = by_rank[outside[0]]
+            others = [s for s in states if s is not culprit]
+            return Hang(culprit, others, waited_in=str(waiting[0]), entered=ranks)
+        ops = Counter(e.op for e in ranks.values() if e.seq == top)
+        if len(ops) >= 2 and (common := ops.most_common(2))[0][1] > common[1][1]:
+            meant = common[0][0]
+            key = min((k for k, e in ranks.items() if e.op != meant), key=order.__getitem__)
+            culprit = by_rank[key]
+            waited = next(str(e) for e in ranks.values() if e.op == meant)
+            others = [s for s in states if s is not culprit]
+            return Hang(culprit, others, waited_in=waited, diverged=True, entered=ranks)
+    return None
 
 
 def state_lines(reports: Mapping[str, list[Any] | None], node_ranks: Mapping[str, int]) -> list[str]:

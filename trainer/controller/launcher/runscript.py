@@ -34,6 +34,22 @@ SAVE_SIGNAL_IGNORED = (
 )
 
 
+def flight_recorder_lines(plan: JobPlan) -> list[str]:
+    """torch's flight recorder for every command (issue 39), where training_env does not set it."""
+    dumps = shlex.quote(str(plan.paths.flight_recorder))
+    return [
+        "# torch's flight recorder: each rank keeps its last collectives. The bundled trainer's ranks report",
+        "# the last they entered, so a stall names the rank that never entered its peers' collective. A NCCL",
+        "# collective that times out writes every rank's to one dir of the launch (torchfrtrace reads it).",
+        "# training_env may set these; TORCH_FR_BUFFER_SIZE=0 switches the recorder off.",
+        'export TORCH_FR_BUFFER_SIZE="${TORCH_FR_BUFFER_SIZE:-2000}"',
+        'export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"',
+        f'flight_dir={dumps}/"$CLUSTERTRAIN_LAUNCH_ID"',
+        'mkdir -p "$flight_dir"',
+        'export TORCH_FR_DUMP_TEMP_FILE="${TORCH_FR_DUMP_TEMP_FILE:-$flight_dir/rank_}"',
+    ]
+
+
 def node_dir(plan: JobPlan, node: Node) -> str:
     return str(plan.paths.node_dir(node.node_rank))
 
@@ -83,6 +99,7 @@ def run_script(plan: JobPlan, node: Node, host: str) -> str:
         'export CLUSTERTRAIN_LAUNCH_ID="$(cat launch-id)"',
         "# The bundled trainer's ranks report the step they are in here (the launcher's stall watchdog).",
         f'export {PROGRESS_VARIABLE}="$PWD/progress"',
+        *flight_recorder_lines(plan),
         "",
         "printf '[clustertrain] %s launch %s on %s in %s: %s\\n' \\",
         '  "$(date -Is)" "$CLUSTERTRAIN_LAUNCH_ID" \\',
