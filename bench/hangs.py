@@ -128,7 +128,11 @@ def wait_for(predicate: Callable[[], object], what: str, launch: Launch, timeout
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
         if launch.proc.poll() is not None:
-            raise SystemExit(f"the launcher ended ({launch.proc.returncode}) before {what}")
+            launch.wait()
+            said = "\n".join(text for _, text in launch.lines[-15:])
+            raise SystemExit(
+                f"the launcher ended ({launch.proc.returncode}) before {what}; its last lines:\n{said}"
+            )
         if time.monotonic() > deadline:
             raise SystemExit(f"no {what} within {timeout:.0f} s")
         time.sleep(0.1)

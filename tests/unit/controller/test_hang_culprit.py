@@ -241,7 +241,7 @@ def test_a_stall_without_a_stopped_or_blocked_rank_stays_a_stall_and_shows_each_
     assert "process state: rank 1 on w1 (node 1): sleeping — state S, in hrtimer_nanosleep" in shown, shown
 
 
-def bundled_stalled_monitor(view: LiveView, steps: dict[str, tuple[int, int]]) -> JobMonitor:
+def bundled_stalled_monitor(view: LiveView, steps: dict[str, tuple[int | None, int | None]]) -> JobMonitor:
     """The bundled trainer on two nodes (one rank each), each rank's progress record saying (started,
     done), with --stall-timeout 5, silent past it."""
     monitor = JobMonitor(
@@ -259,7 +259,9 @@ def bundled_stalled_monitor(view: LiveView, steps: dict[str, tuple[int, int]]) -
     return monitor
 
 
-def bundled_diagnosis(tmp_path: Path, steps: dict[str, tuple[int, int]]) -> tuple[Diagnosis, str]:
+def bundled_diagnosis(
+    tmp_path: Path, steps: dict[str, tuple[int | None, int | None]]
+) -> tuple[Diagnosis, str]:
     """The bundled trainer's stall (bundled_stalled_monitor with `steps`) with both ranks asleep: its
     diagnosis once the stop's process states came, and what the report shows."""
     out = io.StringIO()
@@ -284,6 +286,16 @@ def test_the_bundled_trainers_rank_behind_its_peers_is_the_cause_with_its_state(
     )
     assert not cause.node_at_fault  # the job, not the node: a restart, not a node left out
     assert "then: rank 0 on head (node 0): waiting in its collective (sleeping — state S" in shown, shown
+
+
+def test_a_rank_in_no_step_yet_at_the_stall_is_the_one_behind(tmp_path, processes):
+    """Its record written before its first step (`started`: null) while its peer is in step 6: named
+    behind, where the launcher crashed on the null (DeepSpeed's slow start on two loopback nodes)."""
+    processes += [sleeping_rank(0, 0), sleeping_rank(1, 1)]
+    diagnosis, shown = bundled_diagnosis(tmp_path, {"head": (6, 5), "w1": (None, None)})
+    cause = diagnosis.cause
+    assert (cause.kind, cause.host, cause.rank) == ("hung", "w1", 1), shown
+    assert cause.message.startswith("behind its peers: in no step yet while they are in step 6"), cause
 
 
 def test_a_bundled_stall_with_every_rank_in_one_step_stays_a_stall(tmp_path, processes):

@@ -741,7 +741,8 @@ class JobMonitor:
             expected = self.ranks.get(hs.host) or range(0)
             for rank in sorted(set(expected) | set(hs.progress)):
                 record = hs.progress.get(rank)
-                started[(hs.host, rank)] = int(record["started"]) if record and "started" in record else None
+                # None: no record, or a rank in no step yet (its record before its first step).
+                started[(hs.host, rank)] = _integer(record.get("started")) if record else None
         known = [step for step in started.values() if step is not None]
         leading = max(known) if known else None
         behind = [
