@@ -62,8 +62,11 @@ def summarize(dump: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
             continue
         pg_id, group = str(entry.get("pg_id")), entry.get("process_group")
         last_op[pg_id] = (str(entry.get("collective_seq_id")), str(entry.get("profiling_name", "")))
-        if isinstance(group, list) and group:
-            group_name[pg_id] = str(group[-1])
+        if isinstance(group, list) and len(group) == 2:
+            # [name, description]: the description where torch has one (`default_pg`), else the name
+            # (DeepSpeed's groups are `undefined`).
+            name, description = map(str, group)
+            group_name[pg_id] = description if description not in ("", "undefined") else name
     summary = {}
     for pg_id, counts in status.items():
         try:
