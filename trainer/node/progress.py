@@ -141,32 +141,23 @@ class Progress:
     def started(self, step: int) -> None:
         """Called as the rank starts `step` (trainer.node.loop.Trainer.on_step_start)."""
         self._clock.ident = threading.get_ident()  # the thread that trains: its CPU clock is sampled
-        if self._compute is not None and step == self._compute[0]:
-            print(
-                f"trainer: rank {self.rank} computes {self._compute[1]:g} s before step {step} "
-                f"({COMPUTE_VARIABLE})",
-                flush=True,
-            )
-            _busy_for(self._compute[1])
-        if self._stall is not None and step == self._stall[0]:
-            print(
-                f"trainer: rank {self.rank} sleeps {self._stall[1]:g} s before step {step} "
-                f"({STALL_VARIABLE})",
-                flush=True,
-            )
-            time.sleep(self._stall[1])
+        self._test_hook(self._compute, step, "computes", "before", COMPUTE_VARIABLE, _busy_for)
+        self._test_hook(self._stall, step, "sleeps", "before", STALL_VARIABLE, time.sleep)
         if self._raise is not None and step == self._raise[0]:
             raise RuntimeError(f"rank {self.rank} raises before step {step} ({RAISE_VARIABLE} test hook)")
         self.started_step = step
         self._step_started_at = time.monotonic()
         self._wake.set()
-        if self._stall_in is not None and step == self._stall_in[0]:
-            print(
-                f"trainer: rank {self.rank} sleeps {self._stall_in[1]:g} s in step {step} "
-                f"({STALL_IN_VARIABLE})",
-                flush=True,
-            )
-            time.sleep(self._stall_in[1])
+        self._test_hook(self._stall_in, step, "sleeps", "in", STALL_IN_VARIABLE, time.sleep)
+
+    def _test_hook(
+        self, hook: tuple[int, float] | None, step: int, does: str, where: str, variable: str, act: Any
+    ) -> None:
+        """A test hook's `act` for its seconds where `step` is its step, said first."""
+        if hook is not None and step == hook[0]:
+            said = f"trainer: rank {self.rank} {does} {hook[1]:g} s {where} step {step} ({variable})"
+            print(said, flush=True)
+            act(hook[1])
 
     def step_done(self, result: Any) -> None:
         """A per-step hook (trainer.node.loop.StepHook): the step is done; never stops the run."""
