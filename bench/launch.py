@@ -35,6 +35,9 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from helpers.testbed_nodes import cluster_settings  # noqa: E402 - the bed tests' helpers
+
 TESTBED_INVENTORY = REPO / "molecule" / "default" / "inventory"
 STATUS = Path("/tmp/clustertrain-testbed.status")
 STEP = re.compile(r"^step (\d+)/(\d+)")
@@ -313,9 +316,7 @@ def measure(where: str, loopback: bool, hosts: int, rounds: int) -> dict:
         workdir = Path(tmp)
         port = free_port() if loopback else 29531
         inventory, nodes = make_inventory(workdir, loopback, hosts=hosts, port=port)
-        settings = {}
-        for path in sorted((inventory / "group_vars" / "cluster").glob("*.yml")):
-            settings.update(yaml.safe_load(path.read_text()) or {})
+        settings = cluster_settings(inventory)
         shared = str(workdir / "shared") if loopback else settings["cluster_shared_dir"]
         venv = str(REPO / ".venv") if loopback else settings["training_venv"]
         launcher_s, first_line_s, started_s, by_hand_s, names = [], [], [], [], []

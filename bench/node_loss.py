@@ -52,8 +52,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
@@ -61,6 +59,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from helpers.testbed_nodes import (  # noqa: E402 - the bed tests' helpers: one way to kill and restore a node
     LauncherOutput,
     Line,
+    cluster_settings,
     kill_node,
     restore_node,
     running,
@@ -310,9 +309,7 @@ def report(args: argparse.Namespace, output: LauncherOutput, killed: Killed, sta
 
 def measure(args: argparse.Namespace, workdir: Path) -> int:
     inventory, _ = make_inventory(workdir, loopback=False, hosts=3, port=MASTER_PORT)
-    settings: dict = {}
-    for path in sorted((inventory / "group_vars" / "cluster").glob("*.yml")):
-        settings.update(yaml.safe_load(path.read_text()) or {})
+    settings = cluster_settings(inventory)
     run_dir = Path(settings["cluster_shared_dir"]) / "runs" / f"bench-node-loss-{os.getpid()}"
     zero = " ZeRO-2" if args.engine == "deepspeed" else ""
     back = f", started again {args.back_after:g} s later" if args.back_after is not None else ""

@@ -36,12 +36,10 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
-import yaml
-
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO / "tests"))
-from helpers.testbed_nodes import ENV, INVENTORY, LauncherOutput  # noqa: E402 - the bed tests' helpers
+from helpers.testbed_nodes import ENV, INVENTORY, LauncherOutput, cluster_settings  # noqa: E402 - the bed tests' helpers
 
 MOLECULE = REPO / "scripts" / "testbed" / "molecule.sh"
 STATUS = Path("/tmp/clustertrain-testbed.status")
@@ -75,9 +73,7 @@ def molecule(step: str) -> float:
 
 
 def shared_dir() -> Path:
-    merged: dict = {}
-    for path in sorted((INVENTORY / "group_vars" / "cluster").glob("*.yml")):
-        merged.update(yaml.safe_load(path.read_text()) or {})
+    merged = cluster_settings(INVENTORY)
     return Path(merged["cluster_shared_dir"])
 
 

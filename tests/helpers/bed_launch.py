@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from helpers.testbed_nodes import cluster_settings
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "molecule" / "default" / "inventory"
@@ -26,10 +27,7 @@ BED_UP = pytest.mark.skipif(
 
 
 def group_vars() -> dict:
-    merged: dict = {}
-    for path in sorted((INVENTORY / "group_vars" / "cluster").glob("*.yml")):
-        merged.update(yaml.safe_load(path.read_text()) or {})
-    return merged
+    return cluster_settings(INVENTORY)
 
 
 #: A blocked or lost peer fails the job in 2 minutes instead of the inventory's 30.

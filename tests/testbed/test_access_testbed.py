@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.health_webhook_server import WebhookServer
-from helpers.testbed_nodes import BED_TEST
+from helpers.testbed_nodes import BED_TEST, cluster_settings
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "molecule" / "default" / "inventory"
@@ -50,10 +50,7 @@ pytestmark = BED_TEST
 
 
 def group_vars() -> dict:
-    merged: dict = {}
-    for path in sorted((INVENTORY / "group_vars" / "cluster").glob("*.yml")):
-        merged.update(yaml.safe_load(path.read_text()) or {})
-    return merged
+    return cluster_settings(INVENTORY)
 
 
 @pytest.fixture

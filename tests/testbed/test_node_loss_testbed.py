@@ -22,7 +22,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.testbed_nodes import BED_TEST, INVENTORY, LauncherOutput, lost_node, own_like, restore_node
+from helpers.testbed_nodes import (
+    BED_TEST,
+    INVENTORY,
+    LauncherOutput,
+    cluster_settings,
+    lost_node,
+    own_like,
+    restore_node,
+)
 
 pytestmark = BED_TEST
 #: A master port of this file's own, inside the firewall's comm range (the other bed tests use theirs).
@@ -42,10 +50,7 @@ SETS = (
 
 
 def shared_dir() -> Path:
-    merged: dict = {}
-    for path in sorted((INVENTORY / "group_vars" / "cluster").glob("*.yml")):
-        merged.update(yaml.safe_load(path.read_text()) or {})
-    return Path(merged["cluster_shared_dir"])
+    return Path(cluster_settings(INVENTORY)["cluster_shared_dir"])
 
 
 def inventory_for(tmp_path: Path, engine: str, without: str = "") -> Path:

@@ -25,8 +25,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
-from helpers.testbed_nodes import BED_TEST, ENV, INVENTORY, REPO
+from helpers.testbed_nodes import BED_TEST, ENV, INVENTORY, REPO, cluster_settings
 
 pytestmark = BED_TEST
 SKIPPED = "and this run is made from the same inputs: the roles are skipped"
@@ -34,10 +33,7 @@ STEPS = 4
 
 
 def shared_dir() -> Path:
-    merged: dict = {}
-    for path in sorted((INVENTORY / "group_vars" / "cluster").glob("*.yml")):
-        merged.update(yaml.safe_load(path.read_text()) or {})
-    return Path(merged["cluster_shared_dir"])
+    return Path(cluster_settings(INVENTORY)["cluster_shared_dir"])
 
 
 #: What site.yml runs from and the converged check digests (roles/converged/filter_plugins/
