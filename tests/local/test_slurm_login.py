@@ -32,15 +32,16 @@ SECRET_NAME, SECRET = "CT_LOGIN_TOKEN", "tok-9c2e-login-node-secret"
 
 
 #: Seconds before Slurm marks a node whose slurmd does not answer gone (its default is 300): the last
-#: two tests of the module each kill a node.
+#: three tests of the module each kill a node.
 SLURMD_TIMEOUT_S = 15
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm-login")
-    # Three nodes for jobs of two: once the batch-node test has lost one, the last test has two.
-    with slurm_for_test(root, nodes=3, slurmd_timeout_s=SLURMD_TIMEOUT_S) as cluster:
+    # Four nodes for jobs of two: the requeue test loses one (its job runs again on two of the three
+    # left), the batch-node test another, and the last test has two.
+    with slurm_for_test(root, nodes=4, slurmd_timeout_s=SLURMD_TIMEOUT_S) as cluster:
         yield cluster
 
 
@@ -186,12 +187,17 @@ def the_other_node(slurm, job: str) -> str:
     return other
 
 
-def lose_a_node_mid_run(slurm, site, run_name: str, pick, *args: str) -> tuple[int, str, str, str]:
-    """`trainer launch --slurm --max-restarts 1 --exclude-failed` of the run, followed; at its first
-    checkpoint the node `pick(slurm, job)` is killed (its slurmd and processes), for good. (The login
-    node's exit code, its output, the job, the node killed.)"""
+LEAVE_OUT = ("--max-restarts", "1", "--exclude-failed")
+
+
+def lose_a_node_mid_run(
+    slurm, site, run_name: str, pick, *args: str, policy: tuple[str, ...] = LEAVE_OUT
+) -> tuple[int, str, str, str]:
+    """`trainer launch --slurm` of the run (`policy`: --max-restarts 1 --exclude-failed), followed; at
+    its first checkpoint the node `pick(slurm, job)` is killed (its slurmd and processes), for good.
+    (The login node's exit code, its output, the job, the node killed.)"""
     follower = subprocess.Popen(
-        launch_argv(site, run_name, *args, "--max-restarts", "1", "--exclude-failed"),
+        launch_argv(site, run_name, *args, *policy),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=login_env(slurm), cwd=REPO,
     )  # fmt: skip
     run_dir = site[1] / "runs" / run_name
@@ -208,6 +214,32 @@ def lose_a_node_mid_run(slurm, site, run_name: str, pick, *args: str) -> tuple[i
             follower.wait(timeout=120)
     print(f"slurm login: {node} killed, the follower's end {time.monotonic() - killed_at:.1f} s later")
     return follower.returncode, output, job, node
+
+
+# Third to last of the module: the node it kills stays lost (the test Slurm has no way back for one).
+@pytest.mark.slow
+def test_without_exclude_failed_a_job_that_lost_its_batch_node_is_requeued_and_resumes(slurm, site):
+    """No --exclude-failed: the job asks Slurm for nothing of its own. Its batch node lost (the launcher
+    in it dies with it), Slurm ends the job (NODE_FAIL) and requeues it, as it does a batch job; the
+    job runs its script again on two of the nodes left, its launcher takes over the lock the dead one
+    held, and the run resumes from its latest checkpoint and finishes. The login node follows the same
+    job through, and says what happened."""
+    sets = ("--set", "train.max_steps=40", "--set", "train.micro_batch_size=2")
+    code, output, job, node = lose_a_node_mid_run(slurm, site, "requeued", the_batch_node, *sets, policy=())
+    assert code == exitcodes.OK, output[-6000:] + slurm.logs()
+    assert f"Slurm requeued job {job}" in output and "resumes from its latest checkpoint" in output, output[
+        -6000:
+    ]
+    took_over = (
+        "took over the lock of run requeued from this Slurm job's launcher before Slurm requeued the job"
+    )
+    assert took_over in output and "its run 0)" in output, output[-6000:]
+    assert f"Slurm job {job} ended (completed); trainer launch in it exited 0" in output, output[-3000:]
+    run_dir = site[1] / "runs" / "requeued"
+    assert json.loads((run_dir / "launch" / "slurm-job.json").read_text())["job"] == job, "the same job"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == 40 and summary["world_size"] == 2 and summary["resumed_from"], summary
+    assert node not in slurm.job(job).get("NodeList", ""), slurm.job(job)
 
 
 # Next to last of the module: the node it kills stays lost (the test Slurm has no way back for one).

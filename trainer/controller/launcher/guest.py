@@ -80,7 +80,12 @@ class GuestLaunch:
         self.plan = plan
         self.options = options
         self.job = job
-        self.lock = RunLock(plan.run_name, plan.launch_dir, "trainer launch (Slurm allocation)")
+        self.lock = RunLock(
+            plan.run_name,
+            plan.launch_dir,
+            "trainer launch (Slurm allocation)",
+            slurm_run=(job, slurm_allocation.restart_count()),
+        )
         self.attempt_number = 0
         self.policy = None
         self.new_launch()
@@ -153,6 +158,8 @@ class GuestLaunch:
         if not self.lock.held:
             Path(self.plan.launch_dir).mkdir(parents=True, exist_ok=True)
             answer = helper.lock(self.lock.request("acquire"))
+            if not answer.get("acquired") and self.lock.earlier_run_of_job(answer.get("holder")):
+                answer = self._take_over_from_before_the_requeue(helper, answer["holder"], view)
             if not answer.get("acquired"):
                 view.message(f"[red]trainer launch: run {self.plan.run_name} is locked[/red]")
                 view.log(self.lock.refusal(answer.get("holder")))
@@ -163,6 +170,19 @@ class GuestLaunch:
         step = slurm_steps.start_step(self.plan, self.job, self.launch_id, overlap=self.attempt_number > 1)
         self.record.write(self.plan.launch_dir)
         return self._follow(step, view)
+
+    def _take_over_from_before_the_requeue(
+        self, helper: ModuleType, holder: dict[str, Any], view: LiveView
+    ) -> dict[str, Any]:
+        """The lock of this job's launcher before Slurm requeued the job (it died with its node): taken
+        over, said so; the helper's answer."""
+        answer = helper.lock(self.lock.request("acquire", take_over=str(holder.get("token") or "")))
+        if answer.get("acquired"):
+            view.log(
+                f"took over the lock of run {self.plan.run_name} from this Slurm job's launcher before Slurm "
+                f"requeued the job ({describe_holder(holder)}, its run {holder.get('slurm_restart')})"
+            )
+        return answer
 
     # --- one attempt ---------------------------------------------------------------------------------
 

@@ -17,6 +17,11 @@ pid and start time still runs on this controller); a holder on another controlle
 from here, so `--force` trusts the operator for it. `trainer attach` follows a run without needing
 the lock; it adopts a lock whose holder is verifiably dead on this controller (and releases it when
 the run ends, so the next launch needs no --force), and leaves any other holder's lock alone.
+
+Inside a Slurm batch job (guest mode) the holder also names the job and its run (SLURM_RESTART_COUNT).
+A job Slurm requeued after it lost the node its launcher ran on (NODE_FAIL) runs its script again, and
+that launcher finds the dead one's lock: a holder of the same job in an earlier run is taken over
+without --force (earlier_run_of_job), since Slurm ended that run before it requeued the job.
 """
 
 from __future__ import annotations
@@ -90,13 +95,15 @@ class RunLock:
     command: str = "trainer launch"
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     held: bool = False
+    slurm_run: tuple[str, int] | None = None
+    """Guest mode: the Slurm job this launcher runs in and that job's run (SLURM_RESTART_COUNT)."""
 
     @property
     def path(self) -> str:
         return str(PurePosixPath(self.launch_dir) / "lock")
 
     def holder(self) -> dict[str, Any]:
-        return {
+        holder = {
             "run_name": self.run_name,
             "controller": socket.gethostname(),
             "machine": machine_id(),
@@ -105,6 +112,23 @@ class RunLock:
             "user": getpass.getuser(),
             "command": self.command,
         }
+        if self.slurm_run is not None:
+            holder["slurm_job"], holder["slurm_restart"] = self.slurm_run
+        return holder
+
+    def earlier_run_of_job(self, holder: dict[str, Any] | None) -> bool:
+        """Whether `holder` is this launcher's own Slurm job in an earlier run (the same job id, a lower
+        SLURM_RESTART_COUNT): Slurm ended that run before requeueing the job, so its lock is stale."""
+        if self.slurm_run is None or not isinstance(holder, dict):
+            return False
+        job, restart = self.slurm_run
+        theirs = holder.get("slurm_restart")
+        return (
+            holder.get("slurm_job") == job
+            and isinstance(theirs, int)
+            and not isinstance(theirs, bool)
+            and theirs < restart
+        )
 
     def request(self, action: str = "acquire", take_over: str | None = None) -> dict[str, Any]:
         """The node helper's lock request (playbooks/files/node_ctl.py, `lock`)."""

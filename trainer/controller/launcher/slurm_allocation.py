@@ -45,6 +45,14 @@ def allocation_job(env: Mapping[str, str] = os.environ) -> str | None:
     return job or None
 
 
+def restart_count(env: Mapping[str, str] = os.environ) -> int:
+    """How many times Slurm requeued this batch job (SLURM_RESTART_COUNT; 0 in its first run)."""
+    try:
+        return max(0, int(env.get("SLURM_RESTART_COUNT") or 0))
+    except ValueError:
+        return 0
+
+
 def slurm(*argv: str, timeout_s: float = SLURM_TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
     """One Slurm command's output; SlurmError with its message when it fails. `env`: the command's
     environment (default: this process's)."""

@@ -8,8 +8,10 @@ report) to the job's output file on the shared dir; this side prints that file's
 come. The job ends with the guest launcher's own exit code, which the batch script writes to the
 launch dir (slurm_batch.BATCH_EXIT): bad data exits 2 here as in the job. A job that ends without one
 (cancelled before its launcher ended, killed at its time limit, its node failed) ends with Slurm's
-word for it. A requeued job (Slurm's warning signal: guest mode saved and requeued it) is followed
-on through its next run: the same job id, its output appended to the same file.
+word for it. A requeued job (Slurm's warning signal: guest mode saved and requeued it; or a node of the
+job failed, NODE_FAIL, and Slurm requeued it, as it does a batch job that allows it) is followed on
+through its next run: the same job id, its output appended to the same file; the launcher in it
+resumes the run from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from trainer import exitcodes
 from trainer.controller.launcher.live import LiveView, node_text, printable
 from trainer.controller.launcher.plan import JobPlan
-from trainer.controller.launcher.slurm_allocation import SlurmError, slurm
+from trainer.controller.launcher.slurm_allocation import SlurmError, requeue_blocker, slurm
 from trainer.controller.launcher.slurm_batch import BATCH_EXIT, BATCH_OUTPUT
 from trainer.controller.launcher.slurm_runs import slurm_launch
 from trainer.controller.launcher.slurm_steps import SlurmRecord, write_record
@@ -40,6 +42,10 @@ FINAL_STATES = frozenset(
 )  # fmt: skip
 #: How long a cancelled job may take to end before the follower stops waiting for it.
 CANCEL_END_S = 60.0
+#: How long a job that failed with a node (NODE_FAIL) and allows a requeue may take to be requeued.
+REQUEUE_WAIT_S = 60.0
+#: squeue's states of a job back in the queue.
+QUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
 #: How long an ended job's exit code file may take to show on the login node's view of the shared dir.
 EXIT_FILE_WAIT_S = 5.0
 #: A follower's read of the job's output: at most this much a poll (a fast rank 0 is not a flood).
@@ -160,6 +166,10 @@ class JobFollower:
     """The job's nodes (%N) when the batch node was last looked for among them."""
     lost_batch_node: str
     """The job's batch node once Slurm took it out of the job ("" while it has not)."""
+    ran: bool
+    """Whether the job ran since it was last queued (a later PENDING is a requeue)."""
+    node_failed_at: float | None
+    """When (time.monotonic()) the job was first seen failed with a node, while its requeue is awaited."""
 
     def __init__(
         self, job: str, launch_dir: str | Path, view: LiveView, poll_s: float, offset: int = 0
@@ -173,6 +183,8 @@ class JobFollower:
         self.cancelled_by_us = False
         self.nodes_seen = ""
         self.lost_batch_node = ""
+        self.ran = False
+        self.node_failed_at = None
 
     @property
     def output(self) -> Path:
@@ -219,12 +231,42 @@ class JobFollower:
                 continue
             self._print_new()
             self._say_state(state)
-            if state.final:
+            if state.final and not self._requeue_coming(state):
                 self._print_new(final=True)
                 return self._ended(state)
+            self._note_requeue(state)
             if (lost := self._batch_node_lost(state)) is not None:
                 return self._without_its_batch_node(lost)
             time.sleep(self.poll_s)
+
+    def _requeue_coming(self, state: JobState) -> bool:
+        """A job failed with a node (NODE_FAIL) that allows a requeue: Slurm puts it back in the queue a
+        moment later, with its id (followed on); for REQUEUE_WAIT_S at most. One scontrol call a poll,
+        while it shows that state only."""
+        if state.state != "NODE_FAIL":
+            self.node_failed_at = None
+            return False
+        now = time.monotonic()
+        self.node_failed_at = self.node_failed_at or now
+        if now - self.node_failed_at > REQUEUE_WAIT_S:
+            return False
+        try:
+            return requeue_blocker(self.job) is None
+        except SlurmError:
+            return True  # asked again at the next poll
+
+    def _note_requeue(self, state: JobState) -> None:
+        """Once a job that ran is back in the queue: what happens next, in one line."""
+        if state.state == "RUNNING":
+            self.ran = True
+        elif self.ran and state.state in QUEUED_STATES:
+            self.ran = False
+            reason = f" ({node_text(state.reason)})" if state.reason and state.reason != "None" else ""
+            self.view.message(
+                f"[yellow]Slurm requeued job {self.job}[/yellow]{reason}: it runs its script again once "
+                "Slurm gives it nodes, and the run resumes from its latest checkpoint (Ctrl-C cancels "
+                "the job)"
+            )
 
     def _batch_node_lost(self, state: JobState) -> str | None:
         """The job's batch node once Slurm has taken it out of the running job (marked DOWN), else None.
