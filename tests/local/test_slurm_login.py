@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -190,11 +191,25 @@ def the_other_node(slurm, job: str) -> str:
 LEAVE_OUT = ("--max-restarts", "1", "--exclude-failed")
 
 
+def release_when_requeued(slurm, job: str, deadline_s: float = 240) -> None:
+    """Slurm holds a job it requeued for about two minutes (`pending (BeginTime)`); an administrator may
+    release it at once (`scontrol update JobId=J StartTime=now`), as this does, to keep the test short.
+    Nothing else about the requeue changes."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        fields = slurm.job(job)
+        if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+            return
+        time.sleep(1)
+
+
 def lose_a_node_mid_run(
-    slurm, site, run_name: str, pick, *args: str, policy: tuple[str, ...] = LEAVE_OUT
+    slurm, site, run_name: str, pick, *args: str, policy: tuple[str, ...] = LEAVE_OUT, requeued: bool = False
 ) -> tuple[int, str, str, str]:
     """`trainer launch --slurm` of the run (`policy`: --max-restarts 1 --exclude-failed), followed; at
-    its first checkpoint the node `pick(slurm, job)` is killed (its slurmd and processes), for good.
+    its first checkpoint the node `pick(slurm, job)` is killed (its slurmd and processes), for good;
+    with `requeued`, Slurm's requeue of the job is released at once (release_when_requeued).
     (The login node's exit code, its output, the job, the node killed.)"""
     follower = subprocess.Popen(
         launch_argv(site, run_name, *args, *policy),
@@ -207,6 +222,8 @@ def lose_a_node_mid_run(
         node = pick(slurm, job)
         assert slurm.kill_node(node) > 0, f"{node}'s slurmd and its processes"
         killed_at = time.monotonic()
+        if requeued:
+            threading.Thread(target=release_when_requeued, args=(slurm, job), daemon=True).start()
         output, _ = follower.communicate(timeout=300)
     finally:
         if follower.poll() is None:
@@ -225,7 +242,9 @@ def test_without_exclude_failed_a_job_that_lost_its_batch_node_is_requeued_and_r
     held, and the run resumes from its latest checkpoint and finishes. The login node follows the same
     job through, and says what happened."""
     sets = ("--set", "train.max_steps=40", "--set", "train.micro_batch_size=2")
-    code, output, job, node = lose_a_node_mid_run(slurm, site, "requeued", the_batch_node, *sets, policy=())
+    code, output, job, node = lose_a_node_mid_run(
+        slurm, site, "requeued", the_batch_node, *sets, policy=(), requeued=True
+    )
     assert code == exitcodes.OK, output[-6000:] + slurm.logs()
     assert f"Slurm requeued job {job}" in output and "resumes from its latest checkpoint" in output, output[
         -6000:
