@@ -39,7 +39,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO / "tests"))
-from helpers.testbed_nodes import ENV, INVENTORY, LauncherOutput, cluster_settings  # noqa: E402 - the bed tests' helpers
+from helpers.testbed_nodes import ENV, INVENTORY, LauncherOutput, bed_shared_dir  # noqa: E402 - the bed tests' helpers
 
 MOLECULE = REPO / "scripts" / "testbed" / "molecule.sh"
 STATUS = Path("/tmp/clustertrain-testbed.status")
@@ -70,11 +70,6 @@ def molecule(step: str) -> float:
     if run.returncode != 0:
         sys.exit(f"molecule {step} failed (rc {run.returncode}):\n{run.stdout.decode()[-4000:]}")
     return time.monotonic() - started
-
-
-def shared_dir() -> Path:
-    merged = cluster_settings(INVENTORY)
-    return Path(merged["cluster_shared_dir"])
 
 
 def row(label: str, seconds: float | None, note: str = "") -> None:
@@ -115,7 +110,7 @@ def measure(args: argparse.Namespace) -> int:
                 "".join(f"{line.at - started:8.1f}  {line.text}\n" for line in up.lines)
             )
         if not args.keep_run:
-            shutil.rmtree(shared_dir() / "runs" / run_name, ignore_errors=True)
+            shutil.rmtree(bed_shared_dir() / "runs" / run_name, ignore_errors=True)
     phases = {m[1]: (m[2], float(m[3])) for line in up.lines if (m := PHASE_END.match(line.text))}
     provisioned = phases.get("provision", ("", 0))[0] == "done"
     if not args.keep_warm and provisioned:

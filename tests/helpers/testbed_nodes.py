@@ -78,6 +78,11 @@ def cluster_settings(inventory: Path) -> dict:
     return settings
 
 
+def bed_shared_dir() -> Path:
+    """The bed's shared dir, as its inventory's cluster group_vars name it."""
+    return Path(cluster_settings(INVENTORY)["cluster_shared_dir"])
+
+
 def podman(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["podman", *args], capture_output=True, text=True, env=ENV, timeout=timeout, check=check

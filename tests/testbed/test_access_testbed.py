@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.bed_launch import group_vars
 from helpers.health_webhook_server import WebhookServer
-from helpers.testbed_nodes import BED_TEST, cluster_settings
+from helpers.testbed_nodes import BED_TEST
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "molecule" / "default" / "inventory"
@@ -47,10 +48,6 @@ TEST_SETS = (
 )
 
 pytestmark = BED_TEST
-
-
-def group_vars() -> dict:
-    return cluster_settings(INVENTORY)
 
 
 @pytest.fixture

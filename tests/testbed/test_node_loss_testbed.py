@@ -26,7 +26,7 @@ from helpers.testbed_nodes import (
     BED_TEST,
     INVENTORY,
     LauncherOutput,
-    cluster_settings,
+    bed_shared_dir,
     lost_node,
     own_like,
     restore_node,
@@ -47,10 +47,6 @@ SETS = (
     # case where they would wait instead.
     "distributed.timeout_s=120",
 )
-
-
-def shared_dir() -> Path:
-    return Path(cluster_settings(INVENTORY)["cluster_shared_dir"])
 
 
 def inventory_for(tmp_path: Path, engine: str, without: str = "") -> Path:
@@ -93,7 +89,7 @@ def runs():
     names: list[str] = []
     yield names
     for name in names:
-        shutil.rmtree(shared_dir() / "runs" / name, ignore_errors=True)
+        shutil.rmtree(bed_shared_dir() / "runs" / name, ignore_errors=True)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +103,7 @@ def test_a_killed_worker_node_is_left_out_and_the_survivors_finish_like_a_run_st
     restore_node(VICTIM)  # whole before it starts, whatever an earlier test left
     run_name = f"nodeloss-{engine}-{uuid.uuid4().hex[:6]}"
     runs.append(run_name)
-    run = shared_dir() / "runs" / run_name
+    run = bed_shared_dir() / "runs" / run_name
     sets = (*SETS, *extra_sets)
     # The victim's rank sleeps 60 s before step 14 (its peers wait in that step's collective): the
     # run is still going when the kill lands, however fast the steps (a quiet machine ran all 40
@@ -165,7 +161,7 @@ def test_a_killed_worker_node_is_left_out_and_the_survivors_finish_like_a_run_st
     # A run started on the two survivors from the same checkpoint, with the restart's batch split.
     reference_name = f"{run_name}-reference"
     runs.append(reference_name)
-    reference = shared_dir() / "runs" / reference_name
+    reference = bed_shared_dir() / "runs" / reference_name
     (reference / "checkpoints").mkdir(parents=True)
     shutil.copytree(run / "checkpoints" / resumed_from, reference / "checkpoints" / resumed_from)
     (reference / "checkpoints" / "latest").write_text(resumed_from + "\n")

@@ -25,15 +25,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers.testbed_nodes import BED_TEST, ENV, INVENTORY, REPO, cluster_settings
+from helpers.testbed_nodes import BED_TEST, ENV, INVENTORY, REPO, bed_shared_dir
 
 pytestmark = BED_TEST
 SKIPPED = "and this run is made from the same inputs: the roles are skipped"
 STEPS = 4
-
-
-def shared_dir() -> Path:
-    return Path(cluster_settings(INVENTORY)["cluster_shared_dir"])
 
 
 #: What site.yml runs from and the converged check digests (roles/converged/filter_plugins/
@@ -85,7 +81,7 @@ def write_record(checkout: Path) -> None:
 def run_name():
     name = f"up-bed-{uuid.uuid4().hex[:8]}"
     yield name
-    shutil.rmtree(shared_dir() / "runs" / name, ignore_errors=True)
+    shutil.rmtree(bed_shared_dir() / "runs" / name, ignore_errors=True)
 
 
 def test_up_on_the_converged_bed_skips_provisioning_and_finishes_a_short_run(tmp_path, run_name):
@@ -111,7 +107,7 @@ def test_up_on_the_converged_bed_skips_provisioning_and_finishes_a_short_run(tmp
     assert "preflight passed: 0 failure(s)" in out
     assert re.search(rf"^step {STEPS}/{STEPS} loss ", out, re.M), out[-3000:]
     assert f"done: run {run_name} finished on all 3 node(s)" in out
-    assert (shared_dir() / "runs" / run_name / "checkpoints" / f"step-{STEPS}").is_dir()
+    assert (bed_shared_dir() / "runs" / run_name / "checkpoints" / f"step-{STEPS}").is_dir()
     seconds = {
         phase: float(re.search(rf"^  {phase} +(\d+\.\d) s  ok", out, re.M)[1])
         for phase in ("provision", "preflight", "launch")
