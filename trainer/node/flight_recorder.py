@@ -1,13 +1,13 @@
 """torch's flight recorder read back inside a rank: the last collective it entered, per process group.
 
 Under `trainer launch`, run.sh sets TORCH_FR_BUFFER_SIZE (torch then records each collective a rank
-enters, gloo's as NCCL's, in a ring buffer), and NCCL writes that buffer to the run's node dir when a
-collective times out. A rank of the bundled trainer whose step lasts reads its own buffer
-(progress.py, every BUSY_SAMPLE_S) and writes, per process group, the sequence number of the last
-collective it entered, the last one that ended, and its name. The launcher compares the ranks' numbers
-at a stall (launcher/hang.py): the rank that never entered the collective its peers wait in is named,
-even where every rank is in the same step. The dump is torch's JSON form (nothing unpickled), built
-in this process from its own memory.
+enters, gloo's as NCCL's, in a ring buffer), and NCCL writes that buffer to the launch's
+flight-recorder dir (RunPaths.flight_recorder) when a collective times out. A rank of the bundled
+trainer whose step lasts reads its own buffer (progress.py, every BUSY_SAMPLE_S) and writes, per
+process group, the sequence number of the last collective it entered, the last one that ended, and its
+name. The launcher compares the ranks' numbers at a stall (launcher/hang.py): the rank that never
+entered the collective its peers wait in is named, even where every rank is in the same step. The dump
+is torch's JSON form (nothing unpickled), built in this process from its own memory.
 """
 
 from __future__ import annotations
@@ -55,18 +55,10 @@ def summarize(dump: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
     status = dump.get("pg_status")
     if not isinstance(status, dict):
         return None
-    last_op: dict[str, tuple[str, str]] = {}  # group id -> (the last entry's sequence number, name)
-    group_name: dict[str, str] = {}
+    last: dict[str, dict[str, Any]] = {}  # group id -> the last collective it recorded
     for entry in dump.get("entries") or []:
-        if not isinstance(entry, dict) or entry.get("is_p2p"):
-            continue
-        pg_id, group = str(entry.get("pg_id")), entry.get("process_group")
-        last_op[pg_id] = (str(entry.get("collective_seq_id")), str(entry.get("profiling_name", "")))
-        if isinstance(group, list) and len(group) == 2:
-            # [name, description]: the description where torch has one (`default_pg`), else the name
-            # (DeepSpeed's groups are `undefined`).
-            name, description = map(str, group)
-            group_name[pg_id] = description if description not in ("", "undefined") else name
+        if isinstance(entry, dict) and not entry.get("is_p2p"):
+            last[str(entry.get("pg_id"))] = entry
     summary = {}
     for pg_id, counts in status.items():
         try:
@@ -76,11 +68,21 @@ def summarize(dump: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
             continue
         if entered < 0:
             continue  # a group this rank never used
-        seq, op = last_op.get(str(pg_id), ("", ""))
+        entry = last.get(str(pg_id), {})
+        op = str(entry.get("profiling_name", "")).split(":", 1)[-1]
         summary[str(pg_id)] = {
-            "group": group_name.get(str(pg_id), ""),
+            "group": _group_name(entry.get("process_group")),
             "entered": entered,
             "ended": ended,
-            "op": op.split(":", 1)[-1] if seq == str(entered) else "",
+            "op": op if str(entry.get("collective_seq_id")) == str(entered) else "",
         }
     return summary or None
+
+
+def _group_name(group: Any) -> str:
+    """An entry's `process_group`, [name, description]: the description where torch has one
+    (`default_pg`), else the name (DeepSpeed's groups are `undefined`)."""
+    if not isinstance(group, list) or len(group) != 2:
+        return ""
+    name, description = map(str, group)
+    return description if description not in ("", "undefined") else name
